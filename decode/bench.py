@@ -1,0 +1,213 @@
+"""Benchmark and validation entry point: `python decode/bench.py [key=value ...]`.
+
+Per prompt, interleaved so every ratio comes from one run: plain decoding with our loop, speculative
+decoding, HF `generate`, and HF's own speculative baseline (prompt lookup for proposer=ngram,
+assisted generation for proposer=model). Writes OUT/results.json and OUT/samples.jsonl.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, Python puts decode/ first on sys.path; put the repository root there instead so
+# `decode` and `train` import as packages (and decode/*.py cannot shadow top-level modules).
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import time  # noqa: E402
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
+from decode.generate import Generation, speculative_generate  # noqa: E402
+from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
+from decode.proposer import NgramProposer, NoProposer, load_model_proposer  # noqa: E402
+from decode.sampling import Sampler  # noqa: E402
+from decode.session import CausalSession  # noqa: E402
+from train.data import chat_prompt_ids, load_prompts  # noqa: E402
+from train.target import load_target  # noqa: E402
+
+
+def build_proposer(cfg: BenchConfig, target):
+    """The configured proposer and the HF `generate` kwargs of the matching HF baseline."""
+    name = cfg.proposer.name
+    if name == "ngram":
+        proposer = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram)
+        hf = {"prompt_lookup_num_tokens": cfg.decode.num_draft, "max_matching_ngram_size": cfg.proposer.max_ngram}
+        return proposer, "hf_prompt_lookup", hf
+    if name == "model":
+        proposer, drafter = load_model_proposer(cfg.proposer.path or target.path, cfg.proposer.num_layers, target)
+        # Like for like: a constant number of assistant tokens and HF's confidence-based early stop off.
+        drafter.generation_config.num_assistant_tokens = cfg.decode.num_draft
+        drafter.generation_config.num_assistant_tokens_schedule = "constant"
+        drafter.generation_config.assistant_confidence_threshold = 0.0
+        return proposer, "hf_assisted", {"assistant_model": drafter}
+    raise ValueError(f"unknown proposer {name!r}; choose one of {list(PROPOSERS)}")
+
+
+def hf_generate(model, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int, eos: list[int], pad: int, **extra) -> Generation:
+    """HF `generate` for one prompt, timed, as a Generation (no per-step statistics)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampler.hf_generate_kwargs())
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, **extra)
+    seconds = time.perf_counter() - start
+    return Generation(output_ids=out[0, len(prompt_ids) :].tolist(), total_s=seconds)
+
+
+def eos_ids(target) -> list[int]:
+    """The target's stop tokens, from its generation config (an int or a list)."""
+    eos = target.model.generation_config.eos_token_id
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark described by `cfg`; write results.json and samples.jsonl under cfg.out_dir."""
+    sampler = Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
+    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts)
+    target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads)
+    proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
+    session = CausalSession(target.model, proposer.feature_layers)
+    stop = eos_ids(target)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
+    window = session.context_window
+    encoded = []
+    for item in prompts:
+        ids = chat_prompt_ids(target.tokenizer, item["prompt"])
+        if window and len(ids) + cfg.decode.max_new_tokens > window:
+            raise ValueError(
+                f"prompt {item['id']!r} has {len(ids)} tokens; with decode.max_new_tokens={cfg.decode.max_new_tokens} "
+                f"it exceeds the target's context of {window} tokens; drop it or lower decode.max_new_tokens"
+            )
+        encoded.append(ids)
+
+    def run(kind: str, index: int, ids: list[int]) -> Generation:
+        seed = cfg.bench.seed + index
+        generator = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)  # HF generate samples with the global generator
+        common = (sampler, cfg.decode.max_new_tokens)
+        if kind == "plain":
+            return speculative_generate(session, ids, NoProposer(), *common, 0, stop, generator=generator)
+        if kind == "spec":
+            return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, generator=generator)
+        if kind == "hf_generate":
+            return hf_generate(target.model, ids, *common, stop, pad)
+        return hf_generate(target.model, ids, *common, stop, pad, **baseline_kwargs)
+
+    kinds = ["plain", "spec"] + (["hf_generate", baseline_name] if cfg.bench.baselines else [])
+    run("spec", 0, encoded[0][:8])  # warm-up: first-call allocations and lazy inits stay out of the timings
+    results: dict[str, list[Generation]] = {kind: [] for kind in kinds}
+    for index, ids in enumerate(tqdm(encoded, desc="prompts", disable=None)):
+        for kind in kinds:
+            results[kind].append(run(kind, index, ids))
+    summary = summarize(cfg, sampler, target, results, baseline_name)
+    write_outputs(Path(cfg.out_dir), summary, prompts, encoded, results["spec"], target.tokenizer)
+    return summary
+
+
+def summarize(cfg: BenchConfig, sampler: Sampler, target, results: dict, baseline_name: str) -> dict:
+    """results.json: acceptance, throughput ratios from this run, losslessness and the resolved config."""
+    spec, plain = timing_stats(results["spec"]), timing_stats(results["plain"])
+    summary = {**acceptance_stats(results["spec"])}
+    summary.update(
+        tokens_per_s=spec["tokens_per_s"],
+        plain_tokens_per_s=plain["tokens_per_s"],
+        speedup_vs_plain=spec["tokens_per_s"] / plain["tokens_per_s"],
+        ttft_s=spec["ttft_s"],
+        tpot_s=spec["tpot_s"],
+        generated_tokens=spec["tokens"],
+        num_prompts=len(results["spec"]),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    # Exactness: compare with target-only decoding (HF generate) in the same dtype; only meaningful at T=0.
+    reference = results.get("hf_generate") or results["plain"]
+    same = [s.output_ids == r.output_ids for s, r in zip(results["spec"], reference)]
+    greedy = sampler.greedy
+    summary["match_rate"] = sum(same) / len(same) if greedy else None
+    summary["lossless"] = all(same) if greedy and target.dtype == torch.float32 else None
+    summary["plain_match_rate"] = (
+        sum(p.output_ids == r.output_ids for p, r in zip(results["plain"], reference)) / len(same) if greedy else None
+    )
+    summary["hf_generate_tokens_per_s"] = None
+    if "hf_generate" in results:
+        hf = timing_stats(results["hf_generate"])["tokens_per_s"]
+        base = timing_stats(results[baseline_name])["tokens_per_s"]
+        summary.update(
+            hf_generate_tokens_per_s=hf,
+            plain_vs_hf_generate=plain["tokens_per_s"] / hf,
+            hf_baseline=baseline_name,
+            hf_baseline_tokens_per_s=base,
+            hf_baseline_speedup_vs_hf_generate=base / hf,
+            speedup_vs_hf_baseline=spec["tokens_per_s"] / base,
+        )
+    summary["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return summary
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_outputs(out_dir: Path, summary: dict, prompts, encoded, generations, tokenizer) -> None:
+    """results.json and samples.jsonl, each written atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out_dir / "results.json", json.dumps(summary, indent=2) + "\n")
+    lines = [
+        json.dumps(
+            {
+                "id": item["id"],
+                "prompt": item["prompt"],
+                "prompt_token_ids": ids,
+                "output_token_ids": gen.output_ids,
+                "output_text": tokenizer.decode(gen.output_ids, skip_special_tokens=True),
+            }
+        )
+        for item, ids, gen in zip(prompts, encoded, generations)
+    ]
+    _atomic_write(out_dir / "samples.jsonl", "\n".join(lines) + "\n")
+
+
+def format_table(summary: dict) -> str:
+    """A readable summary for stdout."""
+    def fmt(value):
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return str(value)
+
+    keys = [
+        "num_prompts", "tau", "mean_draft_len", "fallbacks", "tokens_per_s", "plain_tokens_per_s", "speedup_vs_plain",
+        "hf_generate_tokens_per_s", "plain_vs_hf_generate", "hf_baseline", "hf_baseline_tokens_per_s",
+        "speedup_vs_hf_baseline", "ttft_s", "tpot_s", "peak_rss_mb", "match_rate", "plain_match_rate", "lossless",
+    ]
+    rows = [f"  {key:<28} {fmt(summary.get(key))}" for key in keys if key in summary]
+    by_position = " ".join("-" if a is None else f"{a:.2f}" for a in summary["acceptance_by_position"])
+    rows.append(f"  {'acceptance_by_position':<28} {by_position}")
+    return "\n".join(rows)
+
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="bench")
+def main(config) -> None:
+    cfg: BenchConfig = OmegaConf.to_object(config)
+    summary = run_bench(cfg)
+    print(f"\nspecdraft bench — {cfg.proposer.name} on {cfg.data.name}, {cfg.target.dtype}, T={cfg.decode.temperature}")
+    print(format_table(summary))
+    print(f"  results: {Path(cfg.out_dir) / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The speculative decoding loop, written once for plain, greedy and sampled decoding.
+
+Invariant: the target's KV cache holds every token of the sequence except the newest one (the
+"pending" token). Each step drafts k tokens, feeds [pending, d_1..d_k] to the target in one
+forward (k+1 positions), accepts a prefix of the draft with the acceptance rule, takes the
+target's token after it, and crops the cache back to pending + accepted drafts. With k = 0 this
+is plain decoding, one token per forward. Greedy and sampling differ only in the acceptance
+function. Batch size is 1; the acceptance rules already work on batches of rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from decode.proposer import Proposal, Proposer
+from decode.sampling import Sampler, sample
+from decode.session import CausalSession
+from decode.verifier import greedy_accept, rejection_accept
+
+Scheduler = Callable[[Proposal], int]  # how many drafted tokens of a proposal to verify
+
+
+@dataclass
+class Generation:
+    """One request's output and per-step statistics."""
+
+    output_ids: list[int]
+    drafted: list[int] = field(default_factory=list)  # per verify step: tokens drafted and verified
+    accepted: list[int] = field(default_factory=list)  # per verify step: drafted tokens accepted
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+def _stop_index(tokens: list[int], eos_ids: set[int], room: int) -> int:
+    """How many of `tokens` to keep: up to and including the first EOS, at most `room`."""
+    for i, token in enumerate(tokens[:room]):
+        if token in eos_ids:
+            return i + 1
+    return min(len(tokens), room)
+
+
+def speculative_generate(
+    target: CausalSession,
+    prompt_ids: list[int],
+    proposer: Proposer,
+    sampler: Sampler,
+    max_new_tokens: int,
+    num_draft: int,
+    eos_token_ids: set[int] | list[int] = (),
+    scheduler: Scheduler | None = None,
+    generator: torch.Generator | None = None,
+    accept_fn: Callable | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` tokens; the output is distributed as target-only decoding."""
+    if max_new_tokens < 1:
+        raise ValueError(f"decode.max_new_tokens={max_new_tokens}; it must be >= 1")
+    if num_draft < 0 or (proposer.max_draft is not None and num_draft > proposer.max_draft):
+        raise ValueError(f"decode.num_draft={num_draft} but this proposer drafts at most {proposer.max_draft} tokens")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; the target needs at least one token to condition on")
+    eos_ids = set(eos_token_ids)
+    if accept_fn is None:
+        accept_fn = _greedy_step if sampler.greedy else _sampling_step
+    start = time.perf_counter()
+
+    target.reset()
+    logits, features = target.forward(list(prompt_ids), last_only=True)
+    first = _pick(sampler, logits[-1:], generator)
+    result = Generation(output_ids=[first], ttft_s=time.perf_counter() - start)
+    proposer.start(list(prompt_ids), features)
+    context = list(prompt_ids) + [first]
+
+    while first not in eos_ids and len(result.output_ids) < max_new_tokens:
+        room = max_new_tokens - len(result.output_ids)
+        # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
+        proposal = proposer.propose(context, min(num_draft, room - 1), sampler, generator)
+        if scheduler is not None:
+            proposal = proposal.truncate(scheduler(proposal))
+        kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
+        logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
+        num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
+        target.rollback(kept_length + 1 + num_accepted)
+
+        new_tokens = proposal.tokens[:num_accepted] + [next_token]
+        keep = _stop_index(new_tokens, eos_ids, room)
+        result.output_ids.extend(new_tokens[:keep])
+        context.extend(new_tokens[:keep])
+        result.drafted.append(len(proposal.tokens))
+        result.accepted.append(num_accepted)
+        if any(t in eos_ids for t in new_tokens[:keep]):
+            break
+        proposer.commit(context, None if features is None else features[: 1 + num_accepted])
+    result.total_s = time.perf_counter() - start
+    return result
+
+
+def _pick(sampler: Sampler, logits: torch.Tensor, generator) -> int:
+    """The target's own next token from (1, V) logits."""
+    if sampler.greedy:
+        return int(logits[0].argmax())
+    return int(sample(sampler.probs(logits), generator))
+
+
+def _greedy_step(proposal: Proposal, logits: torch.Tensor, sampler: Sampler, generator) -> tuple[int, int]:
+    tokens = torch.tensor([proposal.tokens], dtype=torch.long)  # (1, k)
+    num_accepted, next_token = greedy_accept(tokens, logits[None])
+    return int(num_accepted), int(next_token)
+
+
+def _sampling_step(proposal: Proposal, logits: torch.Tensor, sampler: Sampler, generator) -> tuple[int, int]:
+    tokens = torch.tensor([proposal.tokens], dtype=torch.long)  # (1, k)
+    q = None if proposal.draft_probs is None else proposal.draft_probs[None]  # (1, k, V)
+    num_accepted, next_token = rejection_accept(tokens, q, sampler.probs(logits)[None], generator)
+    return int(num_accepted), int(next_token)

@@ -1,0 +1,40 @@
+"""Acceptance statistics over verify steps (prefill excluded), DeepSpec's definitions."""
+
+from __future__ import annotations
+
+from decode.generate import Generation
+
+
+def acceptance_stats(generations: list[Generation]) -> dict:
+    """tau, acceptance by position, mean drafted length and fallbacks over all verify steps."""
+    drafted = [d for g in generations for d in g.drafted]
+    accepted = [a for g in generations for a in g.accepted]
+    steps = len(drafted)
+    if steps == 0:
+        return {"tau": None, "acceptance_by_position": [], "mean_draft_len": None, "fallbacks": 0, "verify_steps": 0}
+    longest = max(drafted)
+    # Position k (1-based) is "reached" when it was drafted and all before it were accepted.
+    reached = [sum(1 for d, a in zip(drafted, accepted) if d >= k and a >= k - 1) for k in range(1, longest + 1)]
+    survived = [sum(1 for a in accepted if a >= k) for k in range(1, longest + 1)]
+    return {
+        "tau": sum(a + 1 for a in accepted) / steps,
+        "acceptance_by_position": [s / r if r else None for s, r in zip(survived, reached)],
+        "mean_draft_len": sum(drafted) / steps,
+        "fallbacks": sum(1 for a in accepted if a == 0),
+        "empty_drafts": sum(1 for d in drafted if d == 0),
+        "verify_steps": steps,
+    }
+
+
+def timing_stats(generations: list[Generation]) -> dict:
+    """Throughput and latency over a list of generations: tokens/s, mean TTFT, mean TPOT."""
+    tokens = sum(len(g.output_ids) for g in generations)
+    seconds = sum(g.total_s for g in generations)
+    tpots = [(g.total_s - g.ttft_s) / (len(g.output_ids) - 1) for g in generations if len(g.output_ids) > 1]
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "ttft_s": sum(g.ttft_s for g in generations) / len(generations) if generations else None,
+        "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+    }

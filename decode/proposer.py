@@ -1,0 +1,187 @@
+"""Drafters behind one interface.
+
+A proposer drafts a block of tokens continuing the context and says, per position, which
+distribution q it sampled from (exact rejection sampling needs q; None means deterministic, i.e.
+q is one-hot on the drafted token) and optionally a confidence. The generate loop calls
+`start` after prefill, `propose` before each verify forward, and `commit` after it with the
+context as it now stands and the target's hidden states (at `feature_layers`) of the positions
+that entered the target's cache, so a feature-fed drafter (DSpark) grows its context without
+recomputation. Rollback of a proposer's own state is its job, keyed on the committed context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from decode.sampling import Sampler, sample
+from decode.session import CausalSession
+
+
+@dataclass
+class Proposal:
+    """A drafted block: tokens (k,), their draft distributions q (k, V) or None, confidences (k,) or None."""
+
+    tokens: list[int]
+    draft_probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+
+    def truncate(self, length: int) -> "Proposal":
+        """The first `length` positions of the block."""
+        cut = lambda t: None if t is None else t[:length]  # noqa: E731
+        return Proposal(self.tokens[:length], cut(self.draft_probs), cut(self.confidence))
+
+
+class Proposer(Protocol):
+    max_draft: int | None  # most tokens one proposal can hold (None: no limit)
+    feature_layers: tuple[int, ...]  # target hidden-state indices it wants at commit
+
+    def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None: ...
+
+    def propose(self, context_ids: list[int], num_draft: int, sampler: Sampler, generator) -> Proposal: ...
+
+    def commit(self, context_ids: list[int], features: torch.Tensor | None) -> None: ...
+
+
+class NoProposer:
+    """Drafts nothing: the loop becomes plain one-token-per-step decoding."""
+
+    max_draft = 0
+    feature_layers = ()
+
+    def start(self, prompt_ids, features):
+        pass
+
+    def propose(self, context_ids, num_draft, sampler, generator):
+        return Proposal([])
+
+    def commit(self, context_ids, features):
+        pass
+
+
+def ngram_lookup(context_ids: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Tokens that followed the most recent earlier occurrence of the context's last n tokens."""
+    length = len(context_ids)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = context_ids[length - n :]
+        # Scan right to left: recent repetitions predict the continuation best.
+        for start in range(length - n - 1, -1, -1):
+            if context_ids[start : start + n] == suffix:
+                return context_ids[start + n : start + n + num_draft]
+    return []
+
+
+class NgramProposer:
+    """Training-free prompt lookup: propose what followed the last matching n-gram."""
+
+    feature_layers = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int | None = None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= proposer.min_ngram ({min_ngram}) <= proposer.max_ngram ({max_ngram})")
+        self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
+
+    def start(self, prompt_ids, features):
+        pass
+
+    def propose(self, context_ids, num_draft, sampler, generator):
+        return Proposal(ngram_lookup(context_ids, num_draft, self.max_ngram, self.min_ngram))
+
+    def commit(self, context_ids, features):
+        pass
+
+
+def common_prefix_length(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, given that the first `start` tokens agree."""
+    end = min(len(a), len(b))
+    i = start
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelProposer:
+    """A standalone causal LM with the target's tokenizer, drafting autoregressively with its own KV cache."""
+
+    max_draft = None
+    feature_layers = ()
+
+    def __init__(self, model: torch.nn.Module):
+        self.session = CausalSession(model)
+        self.cached: list[int] = []  # tokens whose keys/values are in the drafter's cache
+        self.agreed = 0  # cached[:agreed] is known to equal the context (it was context last time)
+
+    def start(self, prompt_ids, features):
+        self.session.reset()
+        self.cached, self.agreed = [], 0
+
+    def propose(self, context_ids, num_draft, sampler, generator):
+        if num_draft == 0:
+            return Proposal([])
+        # Roll back to what still agrees with the context; keep >= 1 token to feed for fresh logits.
+        keep = min(common_prefix_length(self.cached, context_ids, self.agreed), len(context_ids) - 1)
+        self.session.rollback(keep)
+        self.cached = self.cached[:keep]
+        feed = context_ids[keep:]
+        tokens, draft_probs = [], []
+        for _ in range(num_draft):
+            logits, _ = self.session.forward(feed, last_only=True)  # (1, V)
+            self.cached.extend(feed)
+            if sampler.greedy:
+                token = int(logits[0].argmax())
+            else:
+                probs = sampler.probs(logits)  # (1, V)
+                token = int(sample(probs, generator))
+                draft_probs.append(probs[0])
+            tokens.append(token)
+            feed = [token]
+        self.agreed = len(context_ids)
+        return Proposal(tokens, torch.stack(draft_probs) if draft_probs else None)
+
+    def commit(self, context_ids, features):
+        pass  # rollback happens lazily in propose(), against the committed context
+
+
+def check_same_vocabulary(target_tokenizer, target_model, drafter_tokenizer, drafter_model, target_name: str, drafter_name: str) -> None:
+    """Refuse a drafter whose tokenizer or output vocabulary differs from the target's."""
+    target_rows = target_model.get_output_embeddings().weight.shape[0]
+    drafter_rows = drafter_model.get_output_embeddings().weight.shape[0]
+    if target_rows != drafter_rows:
+        raise ValueError(
+            f"drafter {drafter_name} has a vocabulary of {drafter_rows} tokens but target {target_name} has {target_rows}; "
+            "a standalone drafter must share the target's tokenizer"
+        )
+    if drafter_tokenizer is not None and drafter_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(
+            f"drafter {drafter_name} uses a different tokenizer than target {target_name}; "
+            "a standalone drafter must share the target's tokenizer"
+        )
+
+
+def load_model_proposer(path: str, num_layers: int | None, target) -> tuple[ModelProposer, torch.nn.Module]:
+    """A standalone drafter from a folder (or the target's own), optionally cut to its first k layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    if num_layers is not None:
+        if not 1 <= num_layers <= config.num_hidden_layers:
+            raise ValueError(f"proposer.num_layers={num_layers}; {path} has {config.num_hidden_layers} layers")
+        config.num_hidden_layers = num_layers
+    # The dropped layers' weights are unused on purpose; keep the load quiet about them.
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=target.dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval().requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None  # a weights-only folder; the vocabulary size check still applies
+    check_same_vocabulary(target.tokenizer, target.model, tokenizer, model, target.path, path)
+    return ModelProposer(model), model

