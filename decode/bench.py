@@ -107,7 +107,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     kinds = ["plain", "spec"] + (["hf_generate", baseline_name] if cfg.bench.baselines else [])
     run("spec", 0, encoded[0][:8])  # warm-up: first-call allocations and lazy inits stay out of the timings
     results: dict[str, list[Generation]] = {kind: [] for kind in kinds}
-    for index, ids in enumerate(tqdm(encoded, desc="prompts", disable=None)):
+    for index, ids in enumerate(tqdm(encoded, desc="prompts", mininterval=5)):
         for kind in kinds:
             results[kind].append(run(kind, index, ids))
     summary = summarize(cfg, sampler, target, results, baseline_name)

