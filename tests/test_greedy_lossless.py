@@ -138,3 +138,56 @@ def test_rollback_restores_exact_cache(target_model):
     fresh = CausalSession(target_model)
     expected, _ = fresh.forward([1, 2, 3, 4, 5, 9])
     torch.testing.assert_close(rolled[-1], expected[-1], rtol=1e-5, atol=1e-5)
+
+
+class FeatureRecorder:
+    """Wraps a proposer and records the target features handed over at start and at every commit."""
+
+    max_draft = None
+    feature_layers = (1, 2)
+
+    def __init__(self, inner):
+        self.inner, self.chunks = inner, []
+
+    def start(self, prompt_ids, features):
+        self.chunks = [features]
+        self.inner.start(prompt_ids, None)
+
+    def propose(self, context_ids, num_draft, sampler, generator):
+        return self.inner.propose(context_ids, num_draft, sampler, generator)
+
+    def commit(self, context_ids, features):
+        self.chunks.append(features)
+
+
+@pytest.mark.parametrize("inner", ["model", "ngram"])
+def test_verifier_hands_over_features_of_exactly_the_kept_positions(target_model, other_model, inner):
+    """The drafter's context grows from the verify forward: features of pending + accepted tokens, in order."""
+    recorder = FeatureRecorder(ModelProposer(other_model) if inner == "model" else NgramProposer())
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    got = speculative_generate(CausalSession(target_model, (1, 2)), prompt, recorder, GREEDY, 25, 4)
+    features = torch.cat(recorder.chunks)  # (positions in the target cache, 2 * hidden)
+    sequence = prompt + got.output_ids[:-1]  # everything but the pending last token is in the cache
+    with torch.inference_mode():
+        hidden = target_model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[1][0], hidden[2][0]], dim=-1)
+    assert features.shape == expected.shape
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_partially_right_drafter(target_model):
+    """A drafter close to the target: blocks are accepted in part, and the output is still exact."""
+    import copy
+
+    drafter = copy.deepcopy(target_model)
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(torch.randn_like(drafter.lm_head.weight) * 0.8)
+    session, proposer = CausalSession(target_model), ModelProposer(drafter)
+    rng = random.Random(5)
+    partial = 0
+    for _ in range(6):
+        prompt = random_prompt(rng, rng.randrange(1, 16))
+        got = speculative_generate(session, prompt, proposer, GREEDY, 30, 5)
+        assert got.output_ids == hf_greedy(target_model, prompt, 30)
+        partial += sum(1 for d, a in zip(got.drafted, got.accepted) if 0 < a < d)
+    assert partial > 0
