@@ -35,10 +35,11 @@ from train.target import load_target  # noqa: E402
 
 
 def build_proposer(cfg: BenchConfig, target):
-    """The configured proposer and the HF `generate` kwargs of the matching HF baseline."""
+    """The configured proposer, the name of the matching HF baseline and its `generate` kwargs."""
     name = cfg.proposer.name
     if name == "ngram":
         proposer = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram)
+        # HF's lookup takes the leftmost match and has no minimum size; ours takes the most recent one.
         hf = {"prompt_lookup_num_tokens": cfg.decode.num_draft, "max_matching_ngram_size": cfg.proposer.max_ngram}
         return proposer, "hf_prompt_lookup", hf
     if name == "model":
@@ -51,16 +52,42 @@ def build_proposer(cfg: BenchConfig, target):
     raise ValueError(f"unknown proposer {name!r}; choose one of {list(PROPOSERS)}")
 
 
+GENERATE_ONLY_KWARGS = ("assistant_model",)  # generate() arguments that are not GenerationConfig fields
+
+
 def hf_generate(model, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int, eos: list[int], pad: int, **extra) -> Generation:
     """HF `generate` for one prompt, timed, as a Generation (no per-step statistics)."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampler.hf_generate_kwargs())
+    settings = {k: v for k, v in extra.items() if k not in GENERATE_ONLY_KWARGS}
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampler.hf_generate_kwargs(), **settings
+    )
+    input_ids = torch.tensor([prompt_ids], device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, **extra)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+            **{k: v for k, v in extra.items() if k in GENERATE_ONLY_KWARGS},
+        )
     seconds = time.perf_counter() - start
     return Generation(output_ids=out[0, len(prompt_ids) :].tolist(), total_s=seconds)
+
+
+def strip_generation_defaults(model) -> None:
+    """Leave only bos/eos/pad in the model's generation config.
+
+    `generate` fills every unset field from it, so a checkpoint's own repetition penalty, top-k or
+    min-p would reach HF's runs but not ours; the comparison must sample from one distribution.
+    """
+    from transformers import GenerationConfig
+
+    old = model.generation_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id
+    )
 
 
 def eos_ids(target) -> list[int]:
@@ -77,6 +104,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
+    strip_generation_defaults(target.model)
     session = CausalSession(target.model, proposer.feature_layers)
     stop = eos_ids(target)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
@@ -84,7 +112,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     encoded = []
     for item in prompts:
         ids = chat_prompt_ids(target.tokenizer, item["prompt"])
-        if window and len(ids) + cfg.decode.max_new_tokens > window:
+        # The newest token is never fed, so a sequence of prompt + max_new_tokens - 1 positions must fit.
+        if window and len(ids) + cfg.decode.max_new_tokens - 1 > window:
             raise ValueError(
                 f"prompt {item['id']!r} has {len(ids)} tokens; with decode.max_new_tokens={cfg.decode.max_new_tokens} "
                 f"it exceeds the target's context of {window} tokens; drop it or lower decode.max_new_tokens"
@@ -93,7 +122,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     def run(kind: str, index: int, ids: list[int]) -> Generation:
         seed = cfg.bench.seed + index
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=target.model.device).manual_seed(seed)
         torch.manual_seed(seed)  # HF generate samples with the global generator
         common = (sampler, cfg.decode.max_new_tokens)
         if kind == "plain":
@@ -105,10 +134,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         return hf_generate(target.model, ids, *common, stop, pad, **baseline_kwargs)
 
     kinds = ["plain", "spec"] + (["hf_generate", baseline_name] if cfg.bench.baselines else [])
-    run("spec", 0, encoded[0][:8])  # warm-up: first-call allocations and lazy inits stay out of the timings
+    for kind in kinds:  # warm-up: first-call allocations and lazy inits stay out of the timings
+        run(kind, 0, encoded[0][:16])
     results: dict[str, list[Generation]] = {kind: [] for kind in kinds}
     for index, ids in enumerate(tqdm(encoded, desc="prompts", mininterval=5)):
-        for kind in kinds:
+        # Rotate the order per prompt so no method always runs first (cache, frequency effects).
+        for kind in kinds[index % len(kinds) :] + kinds[: index % len(kinds)]:
             results[kind].append(run(kind, index, ids))
     summary = summarize(cfg, sampler, target, results, baseline_name)
     write_outputs(Path(cfg.out_dir), summary, prompts, encoded, results["spec"], target.tokenizer)
@@ -129,7 +160,9 @@ def summarize(cfg: BenchConfig, sampler: Sampler, target, results: dict, baselin
         num_prompts=len(results["spec"]),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
-    # Exactness: compare with target-only decoding (HF generate) in the same dtype; only meaningful at T=0.
+    # Exactness: compare with target-only decoding (HF generate; our plain loop when baselines are off)
+    # in the same dtype; only meaningful at T=0.
+    summary["exactness_reference"] = "hf_generate" if "hf_generate" in results else "plain_loop"
     reference = results.get("hf_generate") or results["plain"]
     same = [s.output_ids == r.output_ids for s, r in zip(results["spec"], reference)]
     greedy = sampler.greedy

@@ -21,7 +21,10 @@ from decode.sampling import Sampler, sample
 from decode.session import CausalSession
 from decode.verifier import greedy_accept, rejection_accept
 
-Scheduler = Callable[[Proposal], int]  # how many drafted tokens of a proposal to verify
+# How many drafted tokens of a proposal to verify. To keep sampling lossless a scheduler must be a
+# stopping rule: whether position j is verified may depend on tokens before j and on what was known
+# before x_j was sampled (q_j, a confidence computed from x_<j), never on x_j itself or later positions.
+Scheduler = Callable[[Proposal], int]
 
 
 @dataclass
@@ -77,9 +80,12 @@ def speculative_generate(
     while first not in eos_ids and len(result.output_ids) < max_new_tokens:
         room = max_new_tokens - len(result.output_ids)
         # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
-        proposal = proposer.propose(context, min(num_draft, room - 1), sampler, generator)
+        limit = min(num_draft, room - 1)
+        proposal = proposer.propose(context, limit, sampler, generator)
+        if len(proposal.tokens) > limit:
+            raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
         if scheduler is not None:
-            proposal = proposal.truncate(scheduler(proposal))
+            proposal = proposal.truncate(max(0, min(scheduler(proposal), len(proposal.tokens))))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
         logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
@@ -106,13 +112,13 @@ def _pick(sampler: Sampler, logits: torch.Tensor, generator) -> int:
 
 
 def _greedy_step(proposal: Proposal, logits: torch.Tensor, sampler: Sampler, generator) -> tuple[int, int]:
-    tokens = torch.tensor([proposal.tokens], dtype=torch.long)  # (1, k)
+    tokens = torch.tensor([proposal.tokens], dtype=torch.long, device=logits.device).reshape(1, -1)  # (1, k)
     num_accepted, next_token = greedy_accept(tokens, logits[None])
     return int(num_accepted), int(next_token)
 
 
 def _sampling_step(proposal: Proposal, logits: torch.Tensor, sampler: Sampler, generator) -> tuple[int, int]:
-    tokens = torch.tensor([proposal.tokens], dtype=torch.long)  # (1, k)
+    tokens = torch.tensor([proposal.tokens], dtype=torch.long, device=logits.device).reshape(1, -1)  # (1, k)
     q = None if proposal.draft_probs is None else proposal.draft_probs[None]  # (1, k, V)
     num_accepted, next_token = rejection_accept(tokens, q, sampler.probs(logits)[None], generator)
     return int(num_accepted), int(next_token)

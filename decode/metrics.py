@@ -11,7 +11,8 @@ def acceptance_stats(generations: list[Generation]) -> dict:
     accepted = [a for g in generations for a in g.accepted]
     steps = len(drafted)
     if steps == 0:
-        return {"tau": None, "acceptance_by_position": [], "mean_draft_len": None, "fallbacks": 0, "verify_steps": 0}
+        return {"tau": None, "acceptance_by_position": [], "mean_draft_len": None, "fallbacks": 0, "empty_drafts": 0,
+                "verify_steps": 0}
     longest = max(drafted)
     # Position k (1-based) is "reached" when it was drafted and all before it were accepted.
     reached = [sum(1 for d, a in zip(drafted, accepted) if d >= k and a >= k - 1) for k in range(1, longest + 1)]

@@ -56,10 +56,14 @@ class Sampler:
         return torch.softmax(self.warp(logits), dim=-1)
 
     def hf_generate_kwargs(self) -> dict:
-        """The `generate` arguments that select exactly this distribution."""
+        """The `generate` arguments that select exactly this distribution.
+
+        Every field is explicit: `generate` fills a None field from the model's generation config
+        or its global defaults (top_k=50), which would sample from another distribution.
+        """
         if self.greedy:
-            return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k or None, "top_p": self.top_p}
+            return {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -42,7 +42,8 @@ class CausalSession:
         self.length += len(token_ids)
         features = None
         if self.feature_layers:
-            # hidden_states[0] is the embedding output; index i is the output of decoder layer i-1.
+            # hidden_states[0] is the embedding output; index i is the output of decoder layer i-1,
+            # except the last index, which HF returns after the final norm.
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)  # (T, L*H)
         return out.logits[0].float(), features  # (T, V)
 

@@ -67,3 +67,26 @@ def test_bench_script_runs_under_hydra(tiny_model_dir, prompts_file, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tau" in proc.stdout and "lossless" in proc.stdout
     assert json.loads((run_dir / "results.json").read_text())["lossless"] is True  # out_dir defaults to Hydra's run dir
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.2, top_p=0.8)])
+def test_sampled_plain_loop_equals_hf_generate_with_same_seed(target_model, settings):
+    """Same seed, same RNG use: our sampling must pick exactly HF generate's tokens (HF semantics)."""
+    import torch
+
+    from decode.bench import hf_generate, strip_generation_defaults
+    from decode.generate import speculative_generate
+    from decode.proposer import NoProposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+
+    sampler = Sampler(**settings)
+    target_model.generation_config.top_k = 3  # a checkpoint default that must not leak into HF's run
+    strip_generation_defaults(target_model)
+    session = CausalSession(target_model)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        ours = speculative_generate(session, [5, 6, 7], NoProposer(), sampler, 25, 0).output_ids
+        torch.manual_seed(seed)
+        theirs = hf_generate(target_model, [5, 6, 7], sampler, 25, [], 0).output_ids
+        assert ours == theirs

@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 from decode.generate import speculative_generate
 from decode.proposer import Proposal
 from decode.sampling import Sampler, sample
-from decode.verifier import rejection_accept
+from decode.verifier import rejection_accept, residual_probs
 
 VOCAB = 8
 START = 0
@@ -80,10 +80,13 @@ def goodness_of_fit(samples: np.ndarray, expected: np.ndarray) -> float:
     n = len(samples)
     if observed[expected == 0].sum() > 0:
         return 0.0  # a sequence the target can never produce
-    # Pool cells with small expected counts so the chi-square approximation holds.
-    order = np.argsort(expected)
-    small = order[np.cumsum(expected[order]) * n < 20]
-    big = np.setdiff1d(np.flatnonzero(expected > 0), small)
+    # Pool every cell with an expected count under 5 (and, if the pool itself is under 5, the next
+    # smallest cells too) so the chi-square approximation holds.
+    order = [c for c in np.argsort(expected) if expected[c] > 0]
+    cut = 0
+    while cut < len(order) and (expected[order[cut]] * n < 5 or expected[order[:cut]].sum() * n < 5):
+        cut += 1
+    small, big = np.array(order[:cut], dtype=int), np.array(order[cut:], dtype=int)
     obs = np.append(observed[big], observed[small].sum())
     exp = np.append(expected[big], expected[small].sum()) * n
     keep = exp > 0
@@ -183,8 +186,13 @@ def test_disjoint_supports_accept_nothing():
 # ---- the whole generate loop with a Markov target session and a stochastic stub drafter ----------
 
 
+# A logit offset per position, so a wrong cache length changes the distribution. (64 positions, V)
+POSITION_BIAS = torch.stack([torch.linspace(-1.5, 1.5, VOCAB).roll(i) for i in range(64)])
+
+
 class MarkovSession:
-    """Stands in for CausalSession: logits of each fed token are its row of a Markov table."""
+    """Stands in for CausalSession: logits at a position are the fed token's table row plus a
+    bias of that position, which the session knows only from its own cache length."""
 
     feature_layers = ()
     context_window = None
@@ -196,8 +204,9 @@ class MarkovSession:
         self.length = 0
 
     def forward(self, token_ids, last_only=False):
+        bias = POSITION_BIAS[self.length : self.length + len(token_ids)]  # (T, V)
         self.length += len(token_ids)
-        logits = self.table[torch.tensor(token_ids)]  # (T, V)
+        logits = self.table[torch.tensor(token_ids)] + bias  # (T, V)
         return (logits[-1:] if last_only else logits), None
 
     def rollback(self, length):
@@ -229,21 +238,48 @@ class MarkovDrafter:
         pass
 
 
-def loop_samples(s: Sampler, n: int, num_draft: int, seed: int, accept_fn=None) -> np.ndarray:
+def loop_samples(s: Sampler, n: int, num_draft: int, seed: int, accept_fn=None, proposer=None) -> np.ndarray:
+    """First three tokens of N generations; max_new_tokens leaves room for full blocks of num_draft."""
     target, drafter = markov_tables()
-    session, proposer = MarkovSession(target), MarkovDrafter(drafter)
+    session, proposer = MarkovSession(target), proposer or MarkovDrafter(drafter)
     gen = torch.Generator().manual_seed(seed)
     out = [
-        speculative_generate(session, [START], proposer, s, 3, num_draft, generator=gen, accept_fn=accept_fn).output_ids
+        speculative_generate(session, [START], proposer, s, 3 + num_draft, num_draft, generator=gen, accept_fn=accept_fn)
+        .output_ids[:3]
         for _ in range(n)
     ]
     return np.array(out)
 
 
+def expected_loop_joint(s: Sampler) -> np.ndarray:
+    """The target's own distribution of the first three tokens, positions included."""
+    table = markov_tables()[0]
+    joint = np.zeros((VOCAB,) * 3)
+    for seq in itertools.product(range(VOCAB), repeat=3):
+        prob, prev = 1.0, START
+        for position, token in enumerate(seq):
+            prob *= float(reference_probs(table[prev] + POSITION_BIAS[position], s)[token])
+            prev = token
+        joint[seq] = prob
+    return joint.ravel()
+
+
+class ArgmaxDrafter(MarkovDrafter):
+    """Deterministic drafting (q = None, i.e. one-hot), like prompt lookup."""
+
+    def propose(self, context_ids, num_draft, sampler, generator):
+        tokens, prev = [], context_ids[-1]
+        for _ in range(num_draft):
+            prev = int(self.table[prev].argmax())
+            tokens.append(prev)
+        return Proposal(tokens)
+
+
 @pytest.mark.parametrize("s", [SETTINGS[0], SETTINGS[4]], ids=str)
-def test_generate_loop_sampling_matches_target_distribution(s):
-    expected = expected_joint(markov_tables()[0], s, 3)
-    pvalue = goodness_of_fit(loop_samples(s, 5000, 3, seed=11), expected)
+@pytest.mark.parametrize("drafter", ["stochastic", "deterministic"])
+def test_generate_loop_sampling_matches_target_distribution(s, drafter):
+    proposer = ArgmaxDrafter(markov_tables()[1]) if drafter == "deterministic" else None
+    pvalue = goodness_of_fit(loop_samples(s, 4000, 2, seed=11, proposer=proposer), expected_loop_joint(s))
     assert pvalue > 1e-4
 
 
@@ -254,8 +290,26 @@ def test_generate_loop_with_wrong_rule_fails():
         n, nxt = wrong_accept_r_below_p(tokens, q[None], sampler.probs(logits)[None], generator)
         return int(n), int(nxt)
 
-    expected = expected_joint(markov_tables()[0], SETTINGS[0], 3)
-    assert goodness_of_fit(loop_samples(SETTINGS[0], 5000, 3, seed=11, accept_fn=wrong), expected) < 1e-6
+    expected = expected_loop_joint(SETTINGS[0])
+    assert goodness_of_fit(loop_samples(SETTINGS[0], 4000, 2, seed=11, accept_fn=wrong), expected) < 1e-6
+
+
+def test_generate_loop_deterministic_drafter_with_wrong_residual_fails():
+    def wrong(proposal, logits, sampler, generator):
+        tokens = torch.tensor([proposal.tokens], dtype=torch.long).reshape(1, -1)
+        q = torch.nn.functional.one_hot(tokens, VOCAB).float()
+        n, nxt = wrong_resample_from_p(tokens, q, sampler.probs(logits)[None], generator)
+        return int(n), int(nxt)
+
+    proposer = ArgmaxDrafter(markov_tables()[1])
+    samples = loop_samples(SETTINGS[0], 4000, 2, seed=11, accept_fn=wrong, proposer=proposer)
+    assert goodness_of_fit(samples, expected_loop_joint(SETTINGS[0])) < 1e-6
+
+
+def test_empty_residual_falls_back_to_target():
+    p = torch.tensor([[0.5, 0.25, 0.25, 0.0]])
+    torch.testing.assert_close(residual_probs(p, p.clone()), p)
+    torch.testing.assert_close(residual_probs(p, torch.tensor([[1.0, 0, 0, 0]])), torch.tensor([[0, 0.5, 0.5, 0]]))
 
 
 def test_sampler_matches_reference_warping():

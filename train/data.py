@@ -109,7 +109,7 @@ def load_prompts(source: str, path: str | None = None, num_prompts: int | None =
         prompts = read_jsonl_prompts(path)
     else:
         raise ValueError(f"unknown data source {source!r}; choose one of {list(PROMPT_SOURCES)}")
-    return prompts[:num_prompts] if num_prompts else prompts
+    return prompts if num_prompts is None else prompts[:num_prompts]
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
