@@ -1,0 +1,79 @@
+"""Distillation losses as plain functions (DSpark's recipe; DFlash is the CE-only setting).
+
+Per drafted position k of a block (k = 0 is the anchor slot):
+  CE_k   = -log p_draft(target token)                     (weight `ce_weight`, default 0.1)
+  L1_k   = || p_draft - p_target ||_1                      (weight `l1_weight`, default 0.9)
+  BCE_k  = BCE(sigmoid(confidence_k), 1 - L1_k / 2)        (weight `confidence_weight`, default 1.0)
+Each position is weighted by exp(-k / decay): early positions matter most because a block is only
+as long as its first rejection. The sum is normalised by the total position weight, which the
+caller passes in already all-reduced across ranks so every rank divides by the same number.
+1 - L1_k / 2 = sum_x min(p, q) is the exact chance that rejection sampling accepts position k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block_size: int, decay: float = 4.0) -> torch.Tensor:
+    """exp(-k / decay) for slots k = 0 .. block_size - 1."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)  # (γ,)
+
+
+def acceptance_rates(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """alpha = 1 - ||p_draft - p_target||_1 / 2 per position."""
+    # (N, γ, V) -> (N, γ)
+    return 1 - 0.5 * (draft_logits.float().softmax(-1) - target_probs.float()).abs().sum(-1)
+
+
+def expected_tau(alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over blocks of 1 + sum_k prod_{i<=k} alpha_i (invalid positions end the block)."""
+    # alpha, valid: (N, γ) -> scalar
+    survival = torch.cumprod(alpha * valid, dim=-1)  # (N, γ)
+    return (1 + survival.sum(-1)).mean()
+
+
+def distill_loss(
+    draft_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    target_tokens: torch.Tensor,
+    valid: torch.Tensor,
+    confidence_logits: torch.Tensor | None = None,
+    ce_weight: float = 0.1,
+    l1_weight: float = 0.9,
+    confidence_weight: float = 1.0,
+    decay: float = 4.0,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted CE + L1 (+ confidence BCE) over drafted positions; returns (loss, metrics)."""
+    # draft_logits (N, γ, V); target_probs (N, γ, V); target_tokens (N, γ); valid (N, γ) bool;
+    # confidence_logits (N, γ) or None.
+    valid = valid.float()
+    weights = position_weights(draft_logits.shape[1], decay).to(draft_logits.device) * valid  # (N, γ)
+    total_weight = weights.sum() if normalizer is None else normalizer
+    log_q = draft_logits.float().log_softmax(-1)  # (N, γ, V)
+    ce = -log_q.gather(-1, target_tokens[..., None].clamp_min(0)).squeeze(-1)  # (N, γ)
+    l1 = (log_q.exp() - target_probs.float()).abs().sum(-1)  # (N, γ)
+    alpha = (1 - 0.5 * l1).detach()
+    per_position = ce_weight * ce + l1_weight * l1
+    metrics = {}
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.clamp(0, 1), reduction="none")
+        per_position = per_position + confidence_weight * bce
+        metrics["confidence_bce"] = float((bce.detach() * weights).sum() / weights.sum().clamp_min(1e-12))
+    loss = (per_position * weights).sum() / total_weight
+    greedy_match = (log_q.argmax(-1) == target_probs.argmax(-1)).float()  # (N, γ)
+    with torch.no_grad():
+        metrics.update(
+            ce=float((ce.detach() * weights).sum() / weights.sum().clamp_min(1e-12)),
+            l1=float((l1.detach() * weights).sum() / weights.sum().clamp_min(1e-12)),
+            tau_estimate=float(expected_tau(alpha, valid)),
+            tau_greedy=float(expected_tau(greedy_match, valid)),
+            alpha_by_position=((alpha * valid).sum(0) / valid.sum(0).clamp_min(1)).tolist(),
+        )
+    if not math.isfinite(float(loss)):
+        raise FloatingPointError(f"distillation loss is {float(loss)}; metrics: {metrics}")
+    return loss, metrics
