@@ -74,6 +74,7 @@ def distill_loss(
             tau_greedy=float(expected_tau(greedy_match, valid)),
             alpha_by_position=((alpha * valid).sum(0) / valid.sum(0).clamp_min(1)).tolist(),
         )
-    if not math.isfinite(float(loss)):
-        raise FloatingPointError(f"distillation loss is {float(loss)}; metrics: {metrics}")
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"distillation loss is {value}; metrics: {metrics}")
     return loss, metrics
