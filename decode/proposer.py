@@ -185,3 +185,73 @@ def load_model_proposer(path: str, num_layers: int | None, target) -> tuple[Mode
         tokenizer = None  # a weights-only folder; the vocabulary size check still applies
     check_same_vocabulary(target.tokenizer, target.model, tokenizer, model, target.path, path)
     return ModelProposer(model), model
+
+
+class BlockDrafterProposer:
+    """A DSpark/DFlash block drafter: one backbone pass per block, Markov head sampled left to right.
+
+    Its context is the target's features at `feature_layers` for every token in the target's
+    cache, handed over by the generate loop after prefill and after each verify forward; the
+    projected features' keys/values are cached per draft layer and cropped like the target's cache.
+    """
+
+    def __init__(self, drafter, feature_layers: tuple[int, ...]):
+        self.drafter = drafter.eval()
+        self.feature_layers = tuple(feature_layers)
+        self.max_draft = drafter.block_size
+        self.cache: list | None = None
+        self.length = 0  # context positions in the cache
+
+    @torch.inference_mode()
+    def _append(self, features: torch.Tensor) -> None:
+        new = self.drafter.context_cache(self.drafter.project_context(features[None]), self.length)
+        if self.cache is None:
+            self.cache = new
+        else:
+            self.cache = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.cache, new)]
+        self.length += features.shape[0]
+
+    def start(self, prompt_ids, features):
+        self.cache, self.length = None, 0
+        self._append(features)
+
+    def commit(self, context_ids, features):
+        # Features arrive for exactly the positions the target kept; nothing to roll back here
+        # because drafted tokens never enter this cache (they are block slots, recomputed each step).
+        self._append(features)
+
+    @torch.inference_mode()
+    def propose(self, context_ids, num_draft, sampler, generator):
+        if num_draft == 0:
+            return Proposal([])
+        drafter = self.drafter
+        anchor = torch.tensor([context_ids[-1]], device=drafter.draft_to_target.device)
+        out = drafter.forward_block(self.cache, self.length, anchor)  # logits (1, γ, V_draft)
+        heads = drafter.markov_head
+        state = heads.initial_state(1, out.hidden[:, 0]) if heads is not None else None
+        previous, tokens, draft_probs, confidence = anchor, [], [], []
+        target_vocab = drafter.embed_tokens.num_embeddings
+        for k in range(num_draft):
+            logits, hidden = out.logits[:, k], out.hidden[:, k]  # (1, V_draft), (1, H)
+            if heads is not None:
+                embedding = heads.markov_w1(previous)  # (1, r)
+                bias, state = heads.markov_step(embedding, hidden, state)
+                logits = logits + bias
+                confidence.append(torch.sigmoid(drafter.confidence_head(torch.cat([hidden, embedding], -1)))[0])
+            if sampler.greedy:
+                draft_id = logits[0].argmax()
+            else:
+                probs = sampler.probs(logits)  # (1, V_draft)
+                draft_id = sample(probs, generator)[0]
+                # q over the target's vocabulary: draft ids map to target ids, the rest has q = 0.
+                full = probs.new_zeros(target_vocab)
+                full[drafter.draft_to_target] = probs[0]
+                draft_probs.append(full)
+            token = drafter.draft_to_target[draft_id]
+            tokens.append(int(token))
+            previous = token.reshape(1)
+        return Proposal(
+            tokens,
+            torch.stack(draft_probs) if draft_probs else None,
+            torch.stack(confidence) if confidence else None,
+        )

@@ -75,3 +75,68 @@ def test_reduced_draft_vocabulary_maps_rows():
     drafter.copy_target_weights(target)
     torch.testing.assert_close(drafter.lm_head.weight, target.lm_head.weight[ids])
     assert drafter.markov_head.markov_w2.out_features == 3
+
+
+@pytest.mark.parametrize("mode", ["dspark", "dflash"])
+def test_block_drafter_proposer_is_lossless_greedy(mode):
+    from decode.generate import speculative_generate
+    from decode.proposer import BlockDrafterProposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+    from tests.conftest import hf_greedy
+
+    target, drafter = make_drafter(mode)
+    proposer = BlockDrafterProposer(drafter, feature_layers=(1, 2))
+    session = CausalSession(target, proposer.feature_layers)
+    for prompt in ([3, 1, 4, 1, 5], [9], [7, 7, 7, 7, 7, 7, 7, 7]):
+        for num_draft in (1, 3, 4):
+            got = speculative_generate(session, prompt, proposer, Sampler(), 20, num_draft)
+            assert got.output_ids == hf_greedy(target, prompt, 20)
+    with pytest.raises(ValueError, match="drafts at most 4"):
+        speculative_generate(session, [1, 2], proposer, Sampler(), 5, 5)
+
+
+def test_block_drafter_proposer_sampling_returns_its_q():
+    from decode.proposer import BlockDrafterProposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+
+    target, _ = make_drafter()
+    torch.manual_seed(6)
+    ids = torch.tensor([3, 8, 20, 41, 60, 1, 2])
+    drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, draft_vocab_ids=ids, markov_rank=4)
+    drafter.copy_target_weights(target)
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    session = CausalSession(target, (1, 2))
+    _, features = session.forward([5, 6, 7], last_only=True)
+    proposer.start([5, 6, 7], features)
+    proposal = proposer.propose([5, 6, 7, 9], 4, Sampler(temperature=1.0), torch.Generator().manual_seed(0))
+    assert len(proposal.tokens) == 4 and set(proposal.tokens) <= set(ids.tolist())
+    q = proposal.draft_probs  # (4, V_target)
+    torch.testing.assert_close(q.sum(-1), torch.ones(4))
+    assert bool((q[:, [i for i in range(64) if i not in ids.tolist()]] == 0).all())
+    assert all(float(q[k, t]) > 0 for k, t in enumerate(proposal.tokens))
+    assert proposal.confidence.shape == (4,) and bool(((proposal.confidence > 0) & (proposal.confidence < 1)).all())
+
+
+def test_default_feature_layers_are_spread_and_never_the_last():
+    from train.target import default_feature_layers
+
+    assert default_feature_layers(30) == (2, 8, 14, 21, 27)
+    for layers in (4, 8, 16, 30, 64):
+        chosen = default_feature_layers(layers, min(5, layers - 1))
+        assert len(set(chosen)) == len(chosen) and max(chosen) < layers and min(chosen) >= 1
+    with pytest.raises(ValueError, match="no 5 distinct"):
+        default_feature_layers(3)
+
+
+def test_target_features_are_the_chosen_hidden_states():
+    from train.target import target_features
+
+    target = tiny_llama(0)
+    ids = torch.randint(0, 64, (2, 6))
+    features, logits = target_features(target, ids, None, (1, 2))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    torch.testing.assert_close(features, torch.cat([out.hidden_states[1], out.hidden_states[2]], -1))
+    torch.testing.assert_close(logits, out.logits)

@@ -117,3 +117,30 @@ def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
+
+
+def default_feature_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` evenly spaced hidden-state indices in [2, L-3]: early, middle and late, never the last.
+
+    Indices are those of HF's `hidden_states` tuple (0 = embeddings, i = output of decoder layer i-1),
+    which is also speculators' `aux_hidden_state_layer_ids` convention (DeepSpec's layer id + 1).
+    """
+    # Shallow targets (tests, tiny models) fall back to the whole range [1, L-1].
+    for low, high in ((2, num_layers - 3), (1, num_layers - 1)):
+        if high < low:
+            continue
+        if count == 1:
+            return (high,)
+        layers = sorted({round(low + i * (high - low) / (count - 1)) for i in range(count)})
+        if len(layers) == count:
+            return tuple(layers)
+    raise ValueError(f"a target with {num_layers} layers has no {count} distinct feature layers; lower the count")
+
+
+@torch.no_grad()
+def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: tuple[int, ...]):
+    """One no-grad forward: concatenated hidden states of `layers` and the next-token logits."""
+    # input_ids (B, T) -> features (B, T, len(layers) * H), logits (B, T, V)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    return features, out.logits
