@@ -84,3 +84,14 @@ def test_non_finite_loss_is_refused():
     logits = torch.full((1, 2, 4), float("nan"))
     with pytest.raises(FloatingPointError, match="loss is nan"):
         distill_loss(logits, torch.full((1, 2, 4), 0.25), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_reduced_vocabulary_counts_outside_mass_in_l1_and_skips_ce():
+    full = torch.tensor([[[0.5, 0.2, 0.3]]])  # target over 3 tokens; draft vocabulary = tokens 0, 1
+    draft_logits = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    valid = torch.ones(1, 1, dtype=torch.bool)
+    loss, metrics = distill_loss(draft_logits, full[..., :2], torch.tensor([[-1]]), valid, ce_weight=1.0,
+                                 l1_weight=1.0, target_outside_mass=full[..., 2])
+    # L1 = |0.5-0.5| + |0.5-0.2| + 0.3 (mass the drafter cannot propose) = 0.6; CE skipped.
+    assert float(loss) == pytest.approx(0.6, rel=1e-5)
+    assert metrics["tau_estimate"] == pytest.approx(1 + (1 - 0.3), rel=1e-5)

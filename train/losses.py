@@ -47,16 +47,25 @@ def distill_loss(
     confidence_weight: float = 1.0,
     decay: float = 4.0,
     normalizer: float | torch.Tensor | None = None,
+    target_outside_mass: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Weighted CE + L1 (+ confidence BCE) over drafted positions; returns (loss, metrics)."""
+    """Weighted CE + L1 (+ confidence BCE) over drafted positions; returns (loss, metrics).
+
+    With a reduced draft vocabulary, `target_probs` are the target's probabilities of the draft
+    vocabulary's tokens and `target_outside_mass` (N, γ) the target mass on all other tokens: the
+    drafter can never propose those, so that mass adds to the L1 distance; a target token outside
+    the draft vocabulary is given as -1 and has no CE term.
+    """
     # draft_logits (N, γ, V); target_probs (N, γ, V); target_tokens (N, γ); valid (N, γ) bool;
     # confidence_logits (N, γ) or None.
     valid = valid.float()
     weights = position_weights(draft_logits.shape[1], decay).to(draft_logits.device) * valid  # (N, γ)
     total_weight = weights.sum() if normalizer is None else normalizer
     log_q = draft_logits.float().log_softmax(-1)  # (N, γ, V)
-    ce = -log_q.gather(-1, target_tokens[..., None].clamp_min(0)).squeeze(-1)  # (N, γ)
+    ce = -log_q.gather(-1, target_tokens[..., None].clamp_min(0)).squeeze(-1) * (target_tokens >= 0)  # (N, γ)
     l1 = (log_q.exp() - target_probs.float()).abs().sum(-1)  # (N, γ)
+    if target_outside_mass is not None:
+        l1 = l1 + target_outside_mass.float()
     alpha = (1 - 0.5 * l1).detach()
     per_position = ce_weight * ce + l1_weight * l1
     metrics = {}
@@ -66,6 +75,8 @@ def distill_loss(
         metrics["confidence_bce"] = float((bce.detach() * weights).sum() / weights.sum().clamp_min(1e-12))
     loss = (per_position * weights).sum() / total_weight
     greedy_match = (log_q.argmax(-1) == target_probs.argmax(-1)).float()  # (N, γ)
+    if target_outside_mass is not None:  # the target's argmax may lie outside the draft vocabulary
+        greedy_match = greedy_match * (target_probs.max(-1).values > target_outside_mass).float()
     with torch.no_grad():
         metrics.update(
             ce=float((ce.detach() * weights).sum() / weights.sum().clamp_min(1e-12)),

@@ -1,0 +1,118 @@
+"""One distillation step for the block drafter, as a pure function of (drafter, target, batch).
+
+For each sequence: one no-grad target forward gives the features of the chosen layers and the
+next-token logits; anchors are sampled among positions followed by a response token (seeded per
+sample, never per rank, so a 2-process run sees the same anchors as a 1-process run); every block
+predicts tokens a+1 .. a+γ from the context before a. The Markov head is teacher-forced on the
+true previous tokens. accelerate/DeepSpeed appear only in the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from train.losses import distill_loss, position_weights
+from train.target import target_features
+
+
+@dataclass
+class Batch:
+    """Token ids (B, T), attention mask (B, T), response mask (B, T), one anchor seed per sample (B,)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    sample_seeds: torch.Tensor
+
+
+@dataclass
+class LossSettings:
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+    decay: float = 4.0
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, seed: int) -> torch.Tensor:
+    """Up to `num_anchors` distinct anchor positions a with a response token at a+1, sorted."""
+    # loss_mask (T,) bool -> (N,)
+    candidates = torch.nonzero(loss_mask[1:], as_tuple=False).squeeze(-1)  # a such that loss_mask[a+1]
+    generator = torch.Generator().manual_seed(int(seed))
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]]
+    return chosen.sort().values
+
+
+def slot_validity(loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(N, γ) bool: slot k of the block at a predicts a response token a+k+1 inside the sequence."""
+    length = loss_mask.shape[0]
+    predicted = anchors[:, None] + 1 + torch.arange(block_size, device=anchors.device)  # (N, γ)
+    valid = (predicted < length) & loss_mask[predicted.clamp(max=length - 1)]
+    return valid.long().cumprod(-1).bool()  # a block ends at its first invalid slot
+
+
+def block_targets(input_ids, loss_mask, target_logits, anchors, block_size: int):
+    """Per block slot: the target's logits, its token, the Markov previous token, and validity."""
+    # input_ids, loss_mask (T,); target_logits (T, V); anchors (N,)
+    last = input_ids.shape[0] - 1
+    rows = (anchors[:, None] + torch.arange(block_size, device=anchors.device)).clamp(max=last)  # (N, γ)
+    next_tokens = input_ids[(rows + 1).clamp(max=last)]
+    return target_logits[rows], next_tokens, input_ids[rows], slot_validity(loss_mask, anchors, block_size)
+
+
+def target_to_draft_ids(draft_to_target: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Inverse vocabulary map: target id -> draft id, -1 where the draft vocabulary lacks it."""
+    inverse = torch.full((target_vocab,), -1, dtype=torch.long, device=draft_to_target.device)
+    inverse[draft_to_target] = torch.arange(len(draft_to_target), device=draft_to_target.device)
+    return inverse
+
+
+def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float) -> torch.Tensor:
+    """The loss normaliser of a batch: total position weight of its valid block slots."""
+    total = torch.zeros(())
+    weights = position_weights(block_size, decay)
+    for mask, seed in zip(batch.loss_mask.bool(), batch.sample_seeds.tolist()):
+        total = total + (slot_validity(mask, sample_anchors(mask, num_anchors, seed), block_size) * weights).sum()
+    return total
+
+
+def distill_step(
+    drafter,
+    target_model,
+    batch: Batch,
+    feature_layers: tuple[int, ...],
+    num_anchors: int,
+    settings: LossSettings = LossSettings(),
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Loss and metrics of one batch; `normalizer` is the (all-reduced) weight sum, else local."""
+    features, logits = target_features(target_model, batch.input_ids, batch.attention_mask, feature_layers)
+    to_draft = target_to_draft_ids(drafter.draft_to_target, logits.shape[-1])
+    pieces = []
+    for b in range(batch.input_ids.shape[0]):
+        mask = batch.loss_mask[b].bool()
+        anchors = sample_anchors(mask, num_anchors, int(batch.sample_seeds[b]))
+        if len(anchors) == 0:
+            continue
+        ids = batch.input_ids[b]
+        target_logits, tokens, previous, valid = block_targets(ids, mask, logits[b], anchors, drafter.block_size)
+        context = drafter.project_context(features[b : b + 1].to(drafter.fc.weight.dtype))[0]  # (T, H)
+        out = drafter.forward_packed(context, anchors, ids[anchors])
+        draft_logits, confidence = out.logits, None
+        if drafter.markov_head is not None:
+            draft_logits = draft_logits + drafter.markov_head.block_bias(previous, out.hidden)
+            embedding = drafter.markov_head.markov_w1(previous).to(out.hidden.dtype)
+            confidence = drafter.confidence_head(torch.cat([out.hidden, embedding], dim=-1))
+        probs = target_logits.float().softmax(-1)  # (N, γ, V_target)
+        draft_probs = probs[..., drafter.draft_to_target]  # (N, γ, V_draft)
+        pieces.append((draft_logits, draft_probs, 1 - draft_probs.sum(-1), to_draft[tokens], valid, confidence))
+    if not pieces:
+        raise ValueError("no sample in this batch has a response token to predict; check the loss masks")
+    cat = lambda i: None if pieces[0][i] is None else torch.cat([p[i] for p in pieces])  # noqa: E731
+    return distill_loss(
+        cat(0), cat(1), cat(3), cat(4), cat(5),
+        ce_weight=settings.ce_weight, l1_weight=settings.l1_weight,
+        confidence_weight=settings.confidence_weight, decay=settings.decay, normalizer=normalizer,
+        target_outside_mass=cat(2).clamp_min(0),
+    )
