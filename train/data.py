@@ -118,3 +118,30 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
     )
     return list(encoded["input_ids"])
+
+
+def sharegpt_training_pairs(path: str | Path | None = None, limit: int | None = None) -> Iterator[dict]:
+    """{id, prompt, response} from ShareGPT's first human/gpt exchange, never from the held-out split."""
+    count = 0
+    for record in iter_sharegpt(path):
+        prompt = first_user_turn(record)
+        turns = record.get("conversations") or []
+        if prompt is None or is_heldout(record["id"]) or len(turns) < 2 or turns[1].get("from") not in ("gpt", "assistant"):
+            continue
+        yield {"id": record["id"], "prompt": prompt, "response": (turns[1].get("value") or "").strip()}
+        count += 1
+        if limit is not None and count >= limit:
+            return
+
+
+def training_example(tokenizer, prompt: str, response_ids: list[int], max_length: int) -> dict:
+    """input_ids = chat prompt + response, loss_mask on the response only, cut to max_length."""
+    prompt_ids = chat_prompt_ids(tokenizer, prompt)
+    input_ids = (prompt_ids + list(response_ids))[:max_length]
+    loss_mask = ([False] * len(prompt_ids) + [True] * len(response_ids))[:max_length]
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def response_ids_from_text(tokenizer, response: str) -> list[int]:
+    """Token ids of a dataset's own response text, closed with the tokenizer's EOS."""
+    return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
