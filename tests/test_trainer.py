@@ -1,0 +1,65 @@
+"""The trainer: learns, checkpoints atomically, resumes with identical losses, refuses bad checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.config import TrackingConfig, TrainerConfig
+from train.drafter import BlockDrafter
+from train.trainer import train
+
+
+def examples(n=6, length=20):
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(2, 64, (length,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "loss_mask": [False] * 6 + [True] * (length - 6)})
+    return rows
+
+
+def fresh_drafter(target):
+    torch.manual_seed(1)
+    drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, mask_token_id=1, markov_rank=8)
+    drafter.copy_target_weights(target)
+    return drafter
+
+
+def run(target, run_dir, **overrides):
+    cfg = TrainerConfig(steps=6, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=2, eval_every=3, **overrides)
+    drafter = fresh_drafter(target)
+    summary = train(drafter, target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
+                    run_dir, {}, pad_id=0)
+    return drafter, summary
+
+
+def test_resume_continues_with_identical_losses(tmp_path):
+    target = tiny_llama(0)
+    _, full = run(target, tmp_path / "a")
+    assert full["steps"] == 6 and full["loss_history"][-1] < full["loss_history"][0]
+    assert "eval/tau_estimate" in full
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-0000006")  # as if killed after step 5
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-0000004")
+    _, resumed = run(target, tmp_path / "b")  # resume=auto picks step 2
+    assert resumed["loss_history"] == pytest.approx(full["loss_history"][2:], rel=1e-5)
+
+
+def test_checkpoint_errors_are_clear(tmp_path):
+    target = tiny_llama(0)
+    run(target, tmp_path, resume="never")
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "step-0000006"
+    (latest / "drafter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt or incomplete"):
+        load_checkpoint(latest, fresh_drafter(target))
+    with pytest.raises(FileNotFoundError, match="not a specdraft checkpoint"):
+        load_checkpoint(tmp_path, fresh_drafter(target))
+    other = BlockDrafter(target.config, num_layers=2, num_feature_layers=2, block_size=4, markov_rank=8)
+    with pytest.raises(ValueError, match="does not fit this drafter"):
+        load_checkpoint(tmp_path / "checkpoints" / "step-0000004", other)

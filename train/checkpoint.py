@@ -1,0 +1,73 @@
+"""Checkpoints of a training run: drafter weights as safetensors, trainer state as a torch file.
+
+A checkpoint is a folder `checkpoints/step-NNNNNNN/` written under a temporary name and renamed
+into place only when complete, so a kill mid-save never leaves a checkpoint that looks usable.
+Trainer state (optimizer, scheduler, RNG, data position) is loaded with `weights_only=True` and
+only from a run folder of ours (it must carry our `meta.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "specdraft-checkpoint-1"
+FROZEN_PREFIXES = ("embed_tokens.",)  # reloaded from the target; not worth a copy per checkpoint
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's state without the frozen target embeddings, contiguous for safetensors."""
+    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
+
+
+def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: dict) -> Path:
+    """Write checkpoints/step-NNNNNNN atomically; return its path."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        save_file(trainable_state(model), str(tmp / "drafter.safetensors"))
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run folder, or None."""
+    root = Path(run_dir) / "checkpoints"
+    complete = [p for p in root.glob("step-*") if (p / "meta.json").is_file()] if root.is_dir() else []
+    return max(complete, key=lambda p: p.name) if complete else None
+
+
+def load_checkpoint(path: Path, model) -> tuple[dict, dict]:
+    """Load weights into `model`; return (trainer_state, meta). Clear errors for foreign or corrupt folders."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path} is not a specdraft checkpoint (no meta.json); pass a checkpoints/step-* folder of our run")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        weights = load_file(str(path / "drafter.safetensors"))
+        state = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    except Exception as err:  # safetensors/torch raise many types for truncated or garbled files
+        raise ValueError(f"checkpoint {path} is corrupt or incomplete ({type(err).__name__}: {err}); delete it to resume from an earlier one") from None
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit this drafter: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return state, meta
