@@ -27,10 +27,11 @@ from tqdm import tqdm  # noqa: E402
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
-from decode.proposer import NgramProposer, NoProposer, load_model_proposer  # noqa: E402
+from decode.proposer import BlockDrafterProposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
 from decode.sampling import Sampler  # noqa: E402
 from decode.session import CausalSession  # noqa: E402
 from train.data import chat_prompt_ids, load_prompts  # noqa: E402
+from train.export import load_drafter  # noqa: E402
 from train.target import load_target  # noqa: E402
 
 
@@ -49,6 +50,11 @@ def build_proposer(cfg: BenchConfig, target):
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
         drafter.generation_config.assistant_confidence_threshold = 0.0
         return proposer, "hf_assisted", {"assistant_model": drafter}
+    if name == "drafter":
+        if not cfg.proposer.path:
+            raise ValueError("proposer=drafter needs proposer.path=EXPORT (the export folder of a distill run)")
+        drafter, feature_layers = load_drafter(cfg.proposer.path, target.model, cfg.target.name_or_path)
+        return BlockDrafterProposer(drafter, feature_layers), None, {}  # HF has no block-drafter baseline
     raise ValueError(f"unknown proposer {name!r}; choose one of {list(PROPOSERS)}")
 
 
@@ -133,7 +139,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             return hf_generate(target.model, ids, *common, stop, pad)
         return hf_generate(target.model, ids, *common, stop, pad, **baseline_kwargs)
 
-    kinds = ["plain", "spec"] + (["hf_generate", baseline_name] if cfg.bench.baselines else [])
+    kinds = ["plain", "spec"] + (["hf_generate"] if cfg.bench.baselines else [])
+    kinds += [baseline_name] if cfg.bench.baselines and baseline_name else []
     for kind in kinds:  # warm-up: first-call allocations and lazy inits stay out of the timings
         run(kind, 0, encoded[0][:16])
     results: dict[str, list[Generation]] = {kind: [] for kind in kinds}
@@ -174,13 +181,13 @@ def summarize(cfg: BenchConfig, sampler: Sampler, target, results: dict, baselin
     summary["hf_generate_tokens_per_s"] = None
     if "hf_generate" in results:
         hf = timing_stats(results["hf_generate"])["tokens_per_s"]
+        summary.update(hf_generate_tokens_per_s=hf, plain_vs_hf_generate=plain["tokens_per_s"] / hf)
+    if baseline_name in results:
         base = timing_stats(results[baseline_name])["tokens_per_s"]
         summary.update(
-            hf_generate_tokens_per_s=hf,
-            plain_vs_hf_generate=plain["tokens_per_s"] / hf,
             hf_baseline=baseline_name,
             hf_baseline_tokens_per_s=base,
-            hf_baseline_speedup_vs_hf_generate=base / hf,
+            hf_baseline_speedup_vs_hf_generate=base / summary["hf_generate_tokens_per_s"],
             speedup_vs_hf_baseline=spec["tokens_per_s"] / base,
         )
     summary["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 
 from train.config import TargetConfig
 
-PROPOSERS = ("ngram", "model")
+PROPOSERS = ("ngram", "model", "drafter")
 
 
 @dataclass
@@ -18,7 +18,7 @@ class ProposerConfig:
     name: str = "ngram"
     max_ngram: int = 3  # ngram: longest suffix to match
     min_ngram: int = 1  # ngram: shortest suffix to match
-    path: str | None = None  # model: a causal LM with the target's tokenizer (None: the target itself)
+    path: str | None = None  # model: a causal LM with the target's tokenizer (None: the target itself); drafter: an export
     num_layers: int | None = None  # model: keep only the first k decoder layers (None: all)
 
 

@@ -145,3 +145,15 @@ def training_example(tokenizer, prompt: str, response_ids: list[int], max_length
 def response_ids_from_text(tokenizer, response: str) -> list[int]:
     """Token ids of a dataset's own response text, closed with the tokenizer's EOS."""
     return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def frequent_token_ids(examples: list[dict], size: int, target_vocab: int, always: tuple[int, ...] = ()) -> list[int]:
+    """The draft vocabulary: the `size` most frequent training tokens (plus `always`), as sorted target ids."""
+    from collections import Counter
+
+    counts = Counter(t for row in examples for t in row["input_ids"])
+    chosen = list(dict.fromkeys([*always, *(t for t, _ in counts.most_common())]))[:size]
+    if len(chosen) < size:  # small corpora: fill with the lowest unused ids so the size is as configured
+        used = set(chosen)
+        chosen += [t for t in range(target_vocab) if t not in used][: size - len(chosen)]
+    return sorted(chosen)
