@@ -64,7 +64,7 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["lossless"] is True and results["tau"] >= 1.0
     assert set(results["stage_seconds"]) == {"data", "train", "export", "validate"}
-    assert (run_dir / "export" / "drafter.json").is_file()
+    assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "specdraft.json").is_file()
     assert (run_dir / "checkpoints" / "step-0000006" / "meta.json").is_file()
     assert len((run_dir / "data" / "responses.jsonl").read_text().splitlines()) == 10  # 8 train + 2 eval
     # The export used with a different target is refused, naming both.

@@ -32,7 +32,7 @@ from train.data import (  # noqa: E402
     training_example,
 )
 from train.drafter import BlockDrafter  # noqa: E402
-from train.export import save_drafter, target_signature  # noqa: E402
+from train.export import save_drafter  # noqa: E402
 from train.regenerate import read_done, regenerate  # noqa: E402
 from train.target import default_feature_layers, load_target  # noqa: E402
 from train.trainer import train  # noqa: E402
@@ -154,9 +154,7 @@ def distill(cfg: DistillConfig) -> dict:
                     cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s)
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
-    architecture = {k: getattr(cfg.drafter, k) for k in ("mode", "num_layers", "block_size", "markov_rank", "markov_head_type")}
-    architecture["mask_token_id"] = drafter.mask_token_id
-    export = save_drafter(run_dir / "export", drafter, architecture, layers, target_signature(target.model, cfg.target.name_or_path))
+    export = save_drafter(run_dir / "export", drafter, layers, target.model, cfg.target.name_or_path, target.path)
     stage_seconds["export"] = time.perf_counter() - began
     began = time.perf_counter()
     validation = validate(cfg, export, run_dir)

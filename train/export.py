@@ -1,9 +1,8 @@
-"""Saving and loading a trained block drafter (DIR/export).
+"""The drafter export (DIR/export): a `speculators` checkpoint plus a small sidecar of ours.
 
-Layout: `drafter.json` (architecture, feature layers, vocabulary map size, and the target it was
-distilled from) and `model.safetensors` (every weight except the target's embeddings, which are
-re-read from the target at load time). Loading refuses a target other than the one recorded, naming
-both. (Conversion to vLLM's `speculators` format is a separate step of the distillation issue.)
+`config.json` + `model.safetensors` are vLLM's speculators format (see train/speculators_export.py);
+`specdraft.json` records the target the drafter was distilled from, so decoding with another
+target is refused with both named, before any weight is touched.
 """
 
 from __future__ import annotations
@@ -15,42 +14,29 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from train.checkpoint import trainable_state
 from train.drafter import BlockDrafter
+from train.speculators_export import export_speculators, import_speculators
 
-FORMAT = "specdraft-drafter-1"
-ARCHITECTURE_KEYS = ("mode", "num_layers", "block_size", "markov_rank", "markov_head_type", "mask_token_id")
+SIDECAR = "specdraft.json"
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "model_type")
 
 
 def target_signature(target_model, name_or_path: str) -> dict:
     """What identifies a target for a drafter: its name and the shapes the drafter depends on."""
     config = target_model.config
-    return {
-        "name_or_path": name_or_path,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "model_type": config.model_type,
-    }
+    return {"name_or_path": name_or_path, **{k: getattr(config, k) for k in SHAPE_KEYS}}
 
 
-def save_drafter(out_dir: Path, drafter: BlockDrafter, architecture: dict, feature_layers, target_signature_: dict) -> Path:
-    """Write the drafter export atomically."""
+def save_drafter(out_dir: Path, drafter: BlockDrafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
+    """Write the export atomically: speculators checkpoint + sidecar."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        save_file(trainable_state(drafter), str(tmp / "model.safetensors"))
-        spec = {
-            "format": FORMAT,
-            "architecture": {k: architecture[k] for k in ARCHITECTURE_KEYS},
-            "feature_layers": list(feature_layers),
-            "draft_vocab_size": int(drafter.draft_to_target.numel()),
-            "target": target_signature_,
-        }
-        (tmp / "drafter.json").write_text(json.dumps(spec, indent=2))
+        export_speculators(drafter, feature_layers, verifier_path, target_model.config, tmp)
+        sidecar = {"target": target_signature(target_model, target_name), "feature_layers": list(feature_layers)}
+        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -63,36 +49,25 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter, architecture: dict, featu
 def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[BlockDrafter, tuple[int, ...]]:
     """A drafter export for this target (refused, naming both, if it was made for another)."""
     path = Path(path)
-    spec_file = path / "drafter.json"
-    if not spec_file.is_file():
-        raise FileNotFoundError(f"{path} is not a drafter export (no drafter.json); pass the export folder of a distill run")
-    spec = json.loads(spec_file.read_text())
-    if spec.get("format") != FORMAT:
-        raise ValueError(f"{path}: drafter format {spec.get('format')!r}, expected {FORMAT!r}")
-    expected = spec["target"]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    sidecar = path / SIDECAR
+    expected = json.loads(sidecar.read_text())["target"] if sidecar.is_file() else None
+    if expected is None:  # a checkpoint from elsewhere: compare with the decoder config it records
+        layer_config = json.loads((path / "config.json").read_text()).get("transformer_layer_config", {})
+        expected = {"name_or_path": "(recorded in config.json)", **{k: layer_config.get(k) for k in SHAPE_KEYS}}
+        expected["num_hidden_layers"] = target_model.config.num_hidden_layers  # the draft's own depth is recorded there
     actual = target_signature(target_model, target_name)
-    shape_keys = ("vocab_size", "hidden_size", "num_hidden_layers", "model_type")
-    if any(expected[k] != actual[k] for k in shape_keys):
+    if any(expected[k] != actual[k] for k in SHAPE_KEYS):
         raise ValueError(
             f"drafter {path} was distilled from target {expected['name_or_path']!r} "
-            f"({', '.join(f'{k}={expected[k]}' for k in shape_keys)}) but the target is {target_name!r} "
-            f"({', '.join(f'{k}={actual[k]}' for k in shape_keys)})"
+            f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}) but the target is {target_name!r} "
+            f"({', '.join(f'{k}={actual[k]}' for k in SHAPE_KEYS)})"
         )
     try:
-        weights = load_file(str(path / "model.safetensors"))
-    except Exception as err:
-        raise ValueError(f"drafter weights {path / 'model.safetensors'} are corrupt or missing ({type(err).__name__}: {err})") from None
-    arch = spec["architecture"]
-    drafter = BlockDrafter(
-        target_model.config, num_layers=arch["num_layers"], num_feature_layers=len(spec["feature_layers"]),
-        block_size=arch["block_size"], mask_token_id=arch["mask_token_id"], mode=arch["mode"],
-        markov_rank=arch["markov_rank"], markov_head_type=arch["markov_head_type"],
-        draft_vocab_ids=weights["draft_to_target"],
-    )
-    missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.startswith("embed_tokens.")]
-    if missing or unexpected:
-        raise ValueError(f"drafter weights in {path} do not match drafter.json: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        drafter, layers = import_speculators(path, target_model.config)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"drafter export {path} is corrupt or incomplete ({type(err).__name__}: {err})") from None
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-    return drafter.to(target_model.dtype).eval(), tuple(spec["feature_layers"])
+    return drafter.to(target_model.dtype).eval(), layers

@@ -1,0 +1,110 @@
+"""Export in vLLM's speculators format: loads there with every weight used, computes the same
+logits / Markov bias / confidences as ours, and a checkpoint speculators writes decodes in ours."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import hf_greedy
+from train.drafter import BlockDrafter
+from train.speculators_export import build_speculators_model, export_speculators, import_speculators, vocab_mappings
+from train.target import load_target
+
+pytest.importorskip("speculators")
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("verifier"))
+    return path, load_target(path, "float32")
+
+
+def our_drafter(target, mode="dspark", vocab=None):
+    torch.manual_seed(0)
+    drafter = BlockDrafter(target.model.config, num_layers=2, num_feature_layers=2, block_size=4, mask_token_id=1,
+                           mode=mode, markov_rank=8, draft_vocab_ids=vocab)
+    drafter.copy_target_weights(target.model)
+    with torch.no_grad():  # non-trivial head weights so the comparison means something
+        if drafter.markov_head is not None:
+            drafter.markov_head.markov_w1.weight.normal_()
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("mode,vocab", [("dspark", torch.arange(0, 64, 2)), ("dflash", None)])
+def test_export_loads_in_speculators_and_round_trips(verifier, tmp_path, mode, vocab):
+    from speculators import SpeculatorModel
+
+    path, target = verifier
+    drafter = our_drafter(target, mode, vocab)
+    out = export_speculators(drafter, (1, 2), path, target.model.config, tmp_path / "export")
+    loaded = SpeculatorModel.from_pretrained(str(out))
+    assert loaded.config.speculators_model_type == mode and loaded.config.aux_hidden_state_layer_ids == [1, 2]
+    assert loaded.config.transformer_layer_config.num_hidden_layers == 2
+    back, layers = import_speculators(out, target.model.config)
+    assert layers == (1, 2)
+    for key, value in drafter.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[key], value, msg=key)
+
+
+def test_vocab_mappings_match_speculators_convention():
+    t2d, d2t = vocab_mappings(torch.tensor([0, 3, 7]), 10)
+    assert t2d.tolist() == [True, False, False, True, False, False, False, True, False, False]
+    assert (torch.arange(3) + d2t).tolist() == [0, 3, 7]
+
+
+def test_same_logits_markov_bias_and_confidence_as_speculators(verifier):
+    path, target = verifier
+    drafter = our_drafter(target, "dspark", torch.arange(0, 64, 2))
+    theirs = build_speculators_model(drafter, (1, 2), path, target.model.config)
+    theirs.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "draft_to_target"}, strict=False)
+    theirs.eval()
+    torch.manual_seed(7)
+    length, anchors_wanted = 20, 3
+    features = torch.randn(1, length, 64)
+    ids = torch.randint(0, 64, (1, length))
+    loss_mask = torch.ones(1, length)
+    with torch.no_grad():
+        hidden, logits, _, _, block_index = theirs._backbone_forward(
+            features, ids, loss_mask, torch.randn(1, length, 32), torch.zeros(1, length, dtype=torch.long),
+            max_anchors=anchors_wanted,
+        )
+        anchors = block_index[:: drafter.block_size]
+        ours = drafter.forward_packed(drafter.project_context(features)[0], anchors, ids[0, anchors])
+        torch.testing.assert_close(ours.logits, logits.view(anchors_wanted, 4, -1), rtol=1e-4, atol=1e-5)
+        previous = ids[0, block_index].view(anchors_wanted, 4)
+        bias_theirs = theirs.markov_head.block_bias(prev_token_ids=previous, hidden_states=hidden.view(anchors_wanted, 4, -1))
+        torch.testing.assert_close(drafter.markov_head.block_bias(previous, ours.hidden), bias_theirs, rtol=1e-4, atol=1e-5)
+        embedding = drafter.markov_head.markov_w1(previous)
+        conf_theirs = theirs.confidence_head(torch.cat([hidden.view(anchors_wanted, 4, -1), embedding], -1))
+        torch.testing.assert_close(drafter.confidence_head(torch.cat([ours.hidden, embedding], -1)), conf_theirs,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_written_by_speculators_decodes_losslessly_in_ours(verifier, tmp_path):
+    from speculators.models.dspark import DSparkDraftModel
+
+    from decode.generate import speculative_generate
+    from decode.proposer import BlockDrafterProposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+
+    path, target = verifier
+    import copy
+
+    layer_config = copy.deepcopy(target.model.config)
+    layer_config.num_hidden_layers = 1
+    theirs = DSparkDraftModel.from_training_args(
+        verifier_config=layer_config, verifier_name_or_path=path, draft_vocab_size=64, block_size=4,
+        markov_rank=8, mask_token_id=1, target_layer_ids=[1, 2], draft_attn_impl="eager",
+    )
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    drafter, layers = import_speculators(tmp_path / "theirs", target.model.config)
+    proposer = BlockDrafterProposer(drafter, layers)
+    session = CausalSession(target.model, layers)
+    for prompt in ([3, 1, 4, 1, 5], [8, 8, 8]):
+        eos = [target.tokenizer.eos_token_id]
+        got = speculative_generate(session, prompt, proposer, Sampler(), 16, 4, eos)
+        assert got.output_ids == hf_greedy(target.model, prompt, 16, eos=eos)

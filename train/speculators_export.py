@@ -1,0 +1,103 @@
+"""Export to, and import from, vLLM's `speculators` checkpoint format (dspark / dflash).
+
+The checkpoint is built by the `speculators` library itself (`from_training_args`, then
+`save_pretrained`), so its conventions are the library's, not re-implemented here:
+- `transformer_layer_config` is the verifier's decoder config with `num_hidden_layers` set to the
+  number of draft layers;
+- `aux_hidden_state_layer_ids` index HF's `hidden_states` tuple (DeepSpec/z-lab layer id + 1),
+  which is the convention of our `feature_layers` already;
+- the reduced vocabulary is `t2d` (bool over the verifier's vocabulary) and `d2t` (offsets:
+  target id = draft id + d2t[draft id]);
+- the verifier's embeddings (and full-vocabulary LM head) are re-read at load time from
+  `speculators_config.verifier.name_or_path`, which therefore must resolve: for the embedded
+  target it is the converted local folder (repoint it by editing that field in config.json).
+Our parameter names already match theirs, so the state dict maps one to one.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from train.drafter import BlockDrafter
+
+SPECULATORS_CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}
+
+
+def vocab_mappings(draft_to_target: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t2d, d2t) in speculators' form from our absolute draft -> target id map."""
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    d2t = draft_to_target.long() - torch.arange(len(draft_to_target))
+    return t2d, d2t
+
+
+def build_speculators_model(drafter: BlockDrafter, feature_layers, verifier_path: str, verifier_config):
+    """A speculators DSpark/DFlash model with the same settings as `drafter` (weights not copied)."""
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+
+    cls = {"dspark": DSparkDraftModel, "dflash": DFlashDraftModel}[drafter.mode]
+    layer_config = copy.deepcopy(verifier_config)
+    layer_config.num_hidden_layers = len(drafter.layers)
+    target_vocab = verifier_config.vocab_size
+    full_vocab = len(drafter.draft_to_target) == target_vocab and bool(
+        (drafter.draft_to_target.cpu() == torch.arange(target_vocab)).all()
+    )
+    t2d, d2t = (None, None) if full_vocab else vocab_mappings(drafter.draft_to_target.cpu(), target_vocab)
+    kwargs = dict(
+        verifier_name_or_path=verifier_path, draft_vocab_size=len(drafter.draft_to_target),
+        block_size=drafter.block_size, mask_token_id=drafter.mask_token_id, target_layer_ids=list(feature_layers),
+        sample_from_anchor=True, draft_attn_impl="eager",
+    )
+    if drafter.mode == "dspark":
+        kwargs.update(markov_rank=drafter.markov_head.rank, markov_head_type=drafter.markov_head.head_type)
+    return cls.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **kwargs)
+
+
+def export_speculators(drafter: BlockDrafter, feature_layers, verifier_path: str, verifier_config, out_dir: Path) -> Path:
+    """Write a speculators checkpoint of `drafter` to out_dir; returns out_dir."""
+    model = build_speculators_model(drafter, feature_layers, verifier_path, verifier_config)
+    ours = {k: v for k, v in drafter.state_dict().items() if k != "draft_to_target" and not k.startswith("rotary.")}
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    # What speculators keeps that we do not: the verifier's own norm/LM head and the vocabulary maps.
+    allowed_missing = {"verifier_norm.weight", "verifier_lm_head.weight", "t2d", "d2t"}
+    if unexpected or set(missing) - allowed_missing:
+        raise RuntimeError(f"state dict does not map onto speculators' model: missing {missing}, unexpected {unexpected}")
+    out_dir = Path(out_dir)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def import_speculators(path: str | Path, target_config) -> tuple[BlockDrafter, tuple[int, ...]]:
+    """A speculators dspark/dflash checkpoint as our BlockDrafter (to decode with our engine)."""
+    from speculators import SpeculatorModel
+
+    model = SpeculatorModel.from_pretrained(str(path))
+    config = model.config
+    mode = config.speculators_model_type
+    if mode not in SPECULATORS_CLASSES:
+        raise ValueError(f"{path} is a speculators {mode!r} checkpoint; only {sorted(SPECULATORS_CLASSES)} decode here")
+    if not config.sample_from_anchor:
+        raise ValueError(f"{path} uses sample_from_anchor=false (the anchor is the bonus token); only true is supported")
+    layers = tuple(config.aux_hidden_state_layer_ids)
+    state = model.state_dict()
+    if getattr(model, "use_draft_vocab", False):
+        draft_ids = torch.arange(config.draft_vocab_size) + state["d2t"]
+    else:
+        draft_ids = torch.arange(target_config.vocab_size)
+    drafter = BlockDrafter(
+        target_config, num_layers=config.transformer_layer_config.num_hidden_layers, num_feature_layers=len(layers),
+        block_size=config.block_size, mask_token_id=config.mask_token_id, mode=mode,
+        markov_rank=getattr(config, "markov_rank", 256), markov_head_type=getattr(config, "markov_head_type", "vanilla"),
+        draft_vocab_ids=draft_ids,
+    )
+    ours = {k: v for k, v in state.items() if k in drafter.state_dict()}
+    if "lm_head.weight" not in ours:  # full vocabulary: speculators keeps the verifier's head
+        ours["lm_head.weight"] = state["verifier_lm_head.weight"]
+    missing, unexpected = drafter.load_state_dict(ours, strict=False)
+    if [k for k in missing if k != "draft_to_target"] or unexpected:
+        raise ValueError(f"{path}: weights do not map onto our drafter: missing {missing}, unexpected {unexpected}")
+    return drafter.eval(), layers
