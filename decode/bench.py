@@ -29,6 +29,7 @@ from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
 from decode.proposer import BlockDrafterProposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
 from decode.sampling import Sampler  # noqa: E402
+from decode.scheduler import build_scheduler  # noqa: E402
 from decode.session import CausalSession  # noqa: E402
 from train.data import chat_prompt_ids, load_prompts  # noqa: E402
 from train.export import load_drafter  # noqa: E402
@@ -110,6 +111,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
+    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold)
     strip_generation_defaults(target.model)
     session = CausalSession(target.model, proposer.feature_layers)
     stop = eos_ids(target)
@@ -134,7 +136,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         if kind == "plain":
             return speculative_generate(session, ids, NoProposer(), *common, 0, stop, generator=generator)
         if kind == "spec":
-            return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, generator=generator)
+            return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, scheduler, generator)
         if kind == "hf_generate":
             return hf_generate(target.model, ids, *common, stop, pad)
         return hf_generate(target.model, ids, *common, stop, pad, **baseline_kwargs)

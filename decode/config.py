@@ -40,6 +40,14 @@ class DecodeConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """fixed (decode.num_draft every step) or threshold (cut at the first confidence below scheduler.threshold)."""
+
+    name: str = "fixed"
+    threshold: float = 0.5
+
+
+@dataclass
 class BenchSettings:
     num_prompts: int | None = 10  # first N prompts in file order (None: all)
     seed: int = 0
@@ -52,6 +60,7 @@ class BenchConfig:
     proposer: ProposerConfig = field(default_factory=ProposerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     bench: BenchSettings = field(default_factory=BenchSettings)
     out_dir: str = "${hydra:runtime.output_dir}"
 

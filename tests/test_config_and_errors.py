@@ -19,7 +19,7 @@ from train.target import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in (REPO / "conf").iterdir() if group.is_dir()}
-BENCH_GROUPS = {g: GROUPS[g] for g in ("target", "proposer", "data")}
+BENCH_GROUPS = {g: GROUPS[g] for g in ("target", "proposer", "data", "scheduler")}
 
 
 def compose_bench(overrides):

@@ -140,3 +140,26 @@ def test_target_features_are_the_chosen_hidden_states():
         out = target(ids, output_hidden_states=True)
     torch.testing.assert_close(features, torch.cat([out.hidden_states[1], out.hidden_states[2]], -1))
     torch.testing.assert_close(logits, out.logits)
+
+
+def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
+    from decode.generate import speculative_generate
+    from decode.proposer import BlockDrafterProposer, Proposal
+    from decode.sampling import Sampler
+    from decode.scheduler import build_scheduler
+    from decode.session import CausalSession
+    from tests.conftest import hf_greedy
+
+    cut = build_scheduler("threshold", 0.5)
+    assert cut(Proposal([1, 2, 3], confidence=torch.tensor([0.9, 0.4, 0.8]))) == 1
+    assert cut(Proposal([1, 2], confidence=torch.tensor([0.9, 0.6]))) == 2
+    with pytest.raises(ValueError, match="confidence head"):
+        cut(Proposal([1]))
+    target, drafter = make_drafter("dspark")
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    session = CausalSession(target, (1, 2))
+    for threshold in (0.0, 0.5, 1.0):
+        got = speculative_generate(session, [2, 7, 1, 8], proposer, Sampler(), 18, 4, scheduler=build_scheduler("threshold", threshold))
+        assert got.output_ids == hf_greedy(target, [2, 7, 1, 8], 18)
+        if threshold == 1.0:
+            assert set(got.drafted) == {0}  # confidence < 1 always: plain decoding
