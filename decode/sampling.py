@@ -62,7 +62,7 @@ class Sampler:
         or its global defaults (top_k=50), which would sample from another distribution.
         """
         if self.greedy:
-            return {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+            return {"do_sample": False}  # no warper runs without sampling; explicit values would only warn
         return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
