@@ -74,8 +74,8 @@ def speculative_generate(
     logits, features = target.forward(list(prompt_ids), last_only=True)
     first = _pick(sampler, logits[-1:], generator)
     result = Generation(output_ids=[first], ttft_s=time.perf_counter() - start)
-    proposer.start(list(prompt_ids), features)
     context = list(prompt_ids) + [first]
+    proposer.start(list(context), features)  # features cover the prompt; context adds the pending token
 
     while first not in eos_ids and len(result.output_ids) < max_new_tokens:
         room = max_new_tokens - len(result.output_ids)

@@ -38,7 +38,7 @@ class Proposer(Protocol):
     max_draft: int | None  # most tokens one proposal can hold (None: no limit)
     feature_layers: tuple[int, ...]  # target hidden-state indices it wants at commit
 
-    def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None: ...
+    def start(self, context_ids: list[int], features: torch.Tensor | None) -> None: ...  # prompt + first token
 
     def propose(self, context_ids: list[int], num_draft: int, sampler: Sampler, generator) -> Proposal: ...
 
@@ -51,7 +51,7 @@ class NoProposer:
     max_draft = 0
     feature_layers = ()
 
-    def start(self, prompt_ids, features):
+    def start(self, context_ids, features):
         pass
 
     def propose(self, context_ids, num_draft, sampler, generator):
@@ -83,7 +83,7 @@ class NgramProposer:
             raise ValueError(f"need 1 <= proposer.min_ngram ({min_ngram}) <= proposer.max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
 
-    def start(self, prompt_ids, features):
+    def start(self, context_ids, features):
         pass
 
     def propose(self, context_ids, num_draft, sampler, generator):
@@ -113,7 +113,7 @@ class ModelProposer:
         self.cached: list[int] = []  # tokens whose keys/values are in the drafter's cache
         self.agreed = 0  # cached[:agreed] is known to equal the context (it was context last time)
 
-    def start(self, prompt_ids, features):
+    def start(self, context_ids, features):
         self.session.reset()
         self.cached, self.agreed = [], 0
 
@@ -211,7 +211,7 @@ class BlockDrafterProposer:
             self.cache = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.cache, new)]
         self.length += features.shape[0]
 
-    def start(self, prompt_ids, features):
+    def start(self, context_ids, features):
         self.cache, self.length = None, 0
         self._append(features)
 
@@ -255,3 +255,58 @@ class BlockDrafterProposer:
             torch.stack(draft_probs) if draft_probs else None,
             torch.stack(confidence) if confidence else None,
         )
+
+
+class Eagle3Proposer:
+    """The Eagle-3 head: drafts autoregressively, feeding its own hidden state forward.
+
+    Its cache holds the keys/values of every context position computed from the target's features
+    (step 0); drafted positions' keys live only inside one `propose` call.
+    """
+
+    def __init__(self, drafter, feature_layers: tuple[int, ...]):
+        self.drafter = drafter.eval()
+        self.feature_layers = tuple(feature_layers)
+        self.max_draft = drafter.block_size
+        self.cache, self.length, self.last_hidden = None, 0, None
+
+    @torch.inference_mode()
+    def _append(self, context_ids, features: torch.Tensor) -> None:
+        count = features.shape[0]
+        device = self.drafter.draft_to_target.device
+        next_tokens = torch.tensor(context_ids[self.length + 1 : self.length + 1 + count], device=device)
+        out, (k, v) = self.drafter.context_step(features, next_tokens, self.length, self.cache)
+        self.cache = (k, v) if self.cache is None else (torch.cat([self.cache[0], k], 2), torch.cat([self.cache[1], v], 2))
+        self.length += count
+        self.last_hidden = out[:, -1:]  # output at the last context position: predicts the first draft
+
+    def start(self, context_ids, features):
+        self.cache, self.length, self.last_hidden = None, 0, None
+        self._append(context_ids, features)
+
+    def commit(self, context_ids, features):
+        self._append(context_ids, features)
+
+    @torch.inference_mode()
+    def propose(self, context_ids, num_draft, sampler, generator):
+        drafter, hidden, prefix = self.drafter, self.last_hidden, self.cache
+        position, target_vocab = self.length - 1, drafter.embed_tokens.num_embeddings
+        tokens, draft_probs = [], []
+        for j in range(num_draft):
+            logits = drafter.logits(hidden)[0, -1:]  # (1, V_draft)
+            if sampler.greedy:
+                draft_id = logits[0].argmax()
+            else:
+                probs = sampler.probs(logits)
+                draft_id = sample(probs, generator)[0]
+                full = probs.new_zeros(target_vocab)
+                full[drafter.draft_to_target] = probs[0]
+                draft_probs.append(full)
+            token = drafter.draft_to_target[draft_id]
+            tokens.append(int(token))
+            if j == num_draft - 1:
+                break
+            position += 1
+            hidden, (k, v) = drafter.draft_step(token, hidden, position, prefix)
+            prefix = (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
+        return Proposal(tokens, torch.stack(draft_probs) if draft_probs else None)

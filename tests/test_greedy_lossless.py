@@ -32,8 +32,8 @@ class ShiftedProposer:
         self.inner = ModelProposer(target_model)
         self.vocab = target_model.config.vocab_size
 
-    def start(self, prompt_ids, features):
-        self.inner.start(prompt_ids, features)
+    def start(self, context_ids, features):
+        self.inner.start(context_ids, features)
 
     def propose(self, context_ids, num_draft, sampler, generator):
         right = self.inner.propose(context_ids, num_draft, sampler, generator)
@@ -151,9 +151,9 @@ class FeatureRecorder:
     def __init__(self, inner):
         self.inner, self.chunks = inner, []
 
-    def start(self, prompt_ids, features):
+    def start(self, context_ids, features):
         self.chunks = [features]
-        self.inner.start(prompt_ids, None)
+        self.inner.start(context_ids, None)
 
     def propose(self, context_ids, num_draft, sampler, generator):
         return self.inner.propose(context_ids, num_draft, sampler, generator)

@@ -222,7 +222,7 @@ class MarkovDrafter:
     def __init__(self, table: torch.Tensor):
         self.table = table
 
-    def start(self, prompt_ids, features):
+    def start(self, context_ids, features):
         pass
 
     def propose(self, context_ids, num_draft, sampler, generator):

@@ -1,0 +1,58 @@
+"""Eagle-3 head: training-time test equals step-by-step inference; decoding with it is lossless."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import hf_greedy, tiny_llama
+from train.eagle3 import Eagle3Drafter
+
+
+def make_eagle(steps=4, vocab=None):
+    target = tiny_llama(0)
+    torch.manual_seed(3)
+    drafter = Eagle3Drafter(target.config, num_feature_layers=2, steps=steps, draft_vocab_ids=vocab).eval()
+    drafter.copy_target_weights(target)
+    return target, drafter
+
+
+def test_training_time_test_equals_step_by_step_inference():
+    _, drafter = make_eagle()
+    torch.manual_seed(4)
+    length, steps = 12, 4
+    features, tokens = torch.randn(length, 64), torch.randint(0, 64, (length,))
+    with torch.no_grad():
+        unrolled = drafter.forward_ttt(features, tokens, steps)
+        for t in (0, 3, 7):
+            # Context: positions 0..t processed by the target; x_{t+1} is the pending token.
+            out, prefix = drafter.context_step(features[: t + 1], tokens[1 : t + 2], 0, None)
+            hidden = out[:, -1:]
+            torch.testing.assert_close(drafter.logits(hidden)[0, -1], unrolled[0][t], rtol=1e-4, atol=1e-5)
+            for step in range(1, steps):
+                if t + step + 1 >= length:
+                    break
+                # Teacher-forced draft: the true token x_{t+step+1} at position t+step.
+                hidden, (k, v) = drafter.draft_step(tokens[t + step + 1], hidden, t + step, prefix)
+                prefix = (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
+                torch.testing.assert_close(drafter.logits(hidden)[0, -1], unrolled[step][t], rtol=1e-4, atol=1e-5)
+
+
+def test_eagle3_proposer_is_lossless_greedy_and_sampling_q_is_exact():
+    from decode.generate import speculative_generate
+    from decode.proposer import Eagle3Proposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+
+    target, drafter = make_eagle(vocab=torch.arange(0, 64, 2))
+    proposer = Eagle3Proposer(drafter, (1, 2))
+    session = CausalSession(target, (1, 2))
+    for prompt in ([3, 1, 4, 1, 5], [9], [6, 6, 6, 6]):
+        for num_draft in (1, 2, 4):
+            got = speculative_generate(session, prompt, proposer, Sampler(), 15, num_draft)
+            assert got.output_ids == hf_greedy(target, prompt, 15)
+    _, features = session.forward([5, 6, 7], last_only=True)
+    session.reset()
+    proposer.start([5, 6, 7, 9], features)
+    proposal = proposer.propose([5, 6, 7, 9], 3, Sampler(temperature=1.0), torch.Generator().manual_seed(0))
+    torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(3))
+    assert all(t % 2 == 0 and float(proposal.draft_probs[k, t]) > 0 for k, t in enumerate(proposal.tokens))
