@@ -56,3 +56,28 @@ def test_eagle3_proposer_is_lossless_greedy_and_sampling_q_is_exact():
     proposal = proposer.propose([5, 6, 7, 9], 3, Sampler(temperature=1.0), torch.Generator().manual_seed(0))
     torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(3))
     assert all(t % 2 == 0 and float(proposal.draft_probs[k, t]) > 0 for k, t in enumerate(proposal.tokens))
+
+
+def test_eagle3_step_learns_and_normalizer_matches():
+    from tests.test_step import toy_batch
+    from train.step import LossSettings, distill_step, weight_sum
+
+    target, drafter = make_eagle(steps=3)
+    drafter.train()
+    batch = toy_batch(batch=2)
+    settings = LossSettings(decay=4.4814)  # exp(-s / 4.4814) = 0.8 ** s: Eagle-3's step decay
+    total = weight_sum(batch, 0, 3, settings.decay, all_positions=True)
+    # One batch: the unrolled weight sum is exactly the normaliser the loss uses on its own.
+    local, _ = distill_step(drafter, target, batch, (1, 2), 0, settings)
+    given, _ = distill_step(drafter, target, batch, (1, 2), 0, settings, normalizer=total)
+    torch.testing.assert_close(local, given)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=5e-3)
+    losses = []
+    for _ in range(30):
+        loss, metrics = distill_step(drafter, target, batch, (1, 2), 0, settings, normalizer=total)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0]
+    assert len(metrics["alpha_by_position"]) == 3 and 1.0 <= metrics["tau_estimate"] <= 4.0

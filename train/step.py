@@ -68,13 +68,31 @@ def target_to_draft_ids(draft_to_target: torch.Tensor, target_vocab: int) -> tor
     return inverse
 
 
-def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float) -> torch.Tensor:
-    """The loss normaliser of a batch: total position weight of its valid block slots."""
+def unrolled_validity(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """(T, S) bool for Eagle-3: step s at position t predicts response token t+s+2 inside the sequence."""
+    length = loss_mask.shape[0]
+    predicted = torch.arange(length)[:, None] + 2 + torch.arange(steps)[None, :]  # (T, S)
+    valid = (predicted < length) & loss_mask[predicted.clamp(max=length - 1)]
+    return valid.long().cumprod(-1).bool()
+
+
+def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, all_positions: bool = False) -> torch.Tensor:
+    """The loss normaliser of a batch: total position weight of its valid slots (blocks, or Eagle-3 steps)."""
     total = torch.zeros(())
     weights = position_weights(block_size, decay)
     for mask, seed in zip(batch.loss_mask.bool(), batch.sample_seeds.tolist()):
-        total = total + (slot_validity(mask, sample_anchors(mask, num_anchors, seed), block_size) * weights).sum()
+        valid = unrolled_validity(mask, block_size) if all_positions else slot_validity(
+            mask, sample_anchors(mask, num_anchors, seed), block_size)
+        total = total + (valid * weights).sum()
     return total
+
+
+def eagle3_pieces(drafter, features: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor):
+    """Training-time-test logits of one sequence and their targets, laid out like blocks (T, S, ...)."""
+    steps, length = drafter.block_size, ids.shape[0]
+    draft_logits = torch.stack(drafter.forward_ttt(features, ids, steps), dim=1)  # (T, S, V_draft)
+    rows = (torch.arange(length)[:, None] + 1 + torch.arange(steps)[None, :]).clamp(max=length - 1)  # (T, S)
+    return draft_logits, logits[rows], ids[(rows + 1).clamp(max=length - 1)], unrolled_validity(mask, steps)
 
 
 def distill_step(
@@ -92,6 +110,12 @@ def distill_step(
     pieces = []
     for b in range(batch.input_ids.shape[0]):
         mask = batch.loss_mask[b].bool()
+        if drafter.mode == "eagle3":
+            draft_logits, target_logits, tokens, valid = eagle3_pieces(
+                drafter, features[b].to(drafter.fc.weight.dtype), batch.input_ids[b], mask, logits[b])
+            draft_probs = target_logits.float().softmax(-1)[..., drafter.draft_to_target]
+            pieces.append((draft_logits, draft_probs, 1 - draft_probs.sum(-1), to_draft[tokens], valid, None))
+            continue
         anchors = sample_anchors(mask, num_anchors, int(batch.sample_seeds[b]))
         if len(anchors) == 0:
             continue

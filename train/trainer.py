@@ -119,7 +119,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         micro = [indices[i : i + cfg.batch_size] for i in range(0, len(indices), cfg.batch_size)]
         mine = micro[rank::world]  # this rank's micro-batches of the global step
         batches = [make_batch(train_examples, m, epoch, cfg.seed, pad_id) for m in mine]
-        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay) for b in batches)
+        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode == "eagle3") for b in batches)
         total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32), reduction="sum")
         for i, batch in enumerate(batches):
             # Gradients are synchronised once per optimizer step, on its last micro-batch.
