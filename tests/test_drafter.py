@@ -70,7 +70,9 @@ def test_frozen_target_weights_and_heads_by_mode():
 
 def test_reduced_draft_vocabulary_maps_rows():
     target = tiny_llama(0)
-    ids = torch.tensor([5, 2, 40])
+    with pytest.raises(ValueError, match="sorted and unique"):
+        BlockDrafter(tiny_llama(0).config, num_feature_layers=2, draft_vocab_ids=torch.tensor([5, 2, 40]))
+    ids = torch.tensor([2, 5, 40])
     drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=3, draft_vocab_ids=ids, markov_rank=4)
     drafter.copy_target_weights(target)
     torch.testing.assert_close(drafter.lm_head.weight, target.lm_head.weight[ids])
@@ -103,7 +105,7 @@ def test_block_drafter_proposer_sampling_returns_its_q():
 
     target, _ = make_drafter()
     torch.manual_seed(6)
-    ids = torch.tensor([3, 8, 20, 41, 60, 1, 2])
+    ids = torch.tensor([1, 2, 3, 8, 20, 41, 60])
     drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, draft_vocab_ids=ids, markov_rank=4)
     drafter.copy_target_weights(target)
     proposer = BlockDrafterProposer(drafter, (1, 2))
@@ -163,3 +165,29 @@ def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
         assert got.output_ids == hf_greedy(target, [2, 7, 1, 8], 18)
         if threshold == 1.0:
             assert set(got.drafted) == {0}  # confidence < 1 always: plain decoding
+
+
+def test_proposer_drafts_what_the_training_pass_predicts_at_the_anchor():
+    """Inference wiring (anchor, positions, cache, Markov chain) equals the training computation."""
+    from decode.proposer import BlockDrafterProposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+
+    target, drafter = make_drafter("dspark")
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.normal_()
+    session = CausalSession(target, (1, 2))
+    prompt, first = [4, 9, 2, 7, 7, 1], 13
+    _, features = session.forward(prompt, last_only=True)
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    proposer.start(prompt + [first], features)
+    drafted = proposer.propose(prompt + [first], 4, Sampler(), None).tokens
+    with torch.no_grad():
+        out = drafter.forward_packed(drafter.project_context(features[None])[0], torch.tensor([len(prompt)]), torch.tensor([first]))
+        expected, previous = [], torch.tensor([[first]])
+        for k in range(4):
+            bias = drafter.markov_head.block_bias(previous, out.hidden[:, k : k + 1])
+            token = int((out.logits[0, k] + bias[0, 0]).argmax())
+            expected.append(token)
+            previous = torch.tensor([[token]])
+    assert drafted == expected

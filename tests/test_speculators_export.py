@@ -108,3 +108,22 @@ def test_checkpoint_written_by_speculators_decodes_losslessly_in_ours(verifier, 
         eos = [target.tokenizer.eos_token_id]
         got = speculative_generate(session, prompt, proposer, Sampler(), 16, 4, eos)
         assert got.output_ids == hf_greedy(target.model, prompt, 16, eos=eos)
+
+
+def test_export_of_a_qwen3_verifier_loads_back(tmp_path):
+    """Qwen-family configs carry layer_types; the exported layer config must describe the draft layers."""
+    from speculators import SpeculatorModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    verifier = Qwen3ForCausalLM(config).eval()
+    verifier.save_pretrained(tmp_path / "qwen3")
+    drafter = BlockDrafter(config, num_layers=1, num_feature_layers=2, block_size=4, mask_token_id=1, markov_rank=8)
+    drafter.copy_target_weights(verifier)
+    out = export_speculators(drafter, (1, 2), str(tmp_path / "qwen3"), config, tmp_path / "export")
+    loaded = SpeculatorModel.from_pretrained(str(out))
+    assert loaded.config.transformer_layer_config.num_hidden_layers == 1
+    back, _ = import_speculators(out, config)
+    torch.testing.assert_close(back.state_dict()["fc.weight"], drafter.state_dict()["fc.weight"])

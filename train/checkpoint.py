@@ -66,7 +66,10 @@ def load_checkpoint(path: Path, model) -> tuple[dict, dict]:
         state = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
     except Exception as err:  # safetensors/torch raise many types for truncated or garbled files
         raise ValueError(f"checkpoint {path} is corrupt or incomplete ({type(err).__name__}: {err}); delete it to resume from an earlier one") from None
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shape mismatches: another block size, rank, vocabulary, ...
+        raise ValueError(f"checkpoint {path} does not fit this drafter (another architecture?): {err}") from None
     missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit this drafter: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -96,13 +96,17 @@ def build_examples(cfg: DistillConfig, target, run_dir: Path, budget_s: float) -
         responses = {key: record["response_ids"] for key, record in done.items()}
     else:
         responses = {p["id"]: response_ids_from_text(target.tokenizer, p["response"]) for p in pairs}
-    return [training_example(target.tokenizer, p["prompt"], responses[p["id"]], cfg.data.max_length)
-            for p in pairs if p["id"] in responses and responses[p["id"]]]
+    examples = [training_example(target.tokenizer, p["prompt"], responses[p["id"]], cfg.data.max_length)
+                for p in pairs if p["id"] in responses and responses[p["id"]]]
+    # A prompt longer than max_length leaves no response token to learn from: drop it.
+    return [e for e in examples if any(e["loss_mask"][1:])]
 
 
 def build_drafter(cfg: DrafterConfig, target, examples, feature_layers) -> BlockDrafter:
     """A fresh drafter with the target's frozen embeddings/LM head and the chosen draft vocabulary."""
-    mask_token = cfg.mask_token_id if cfg.mask_token_id is not None else target.tokenizer.pad_token_id
+    mask_token = next((t for t in (cfg.mask_token_id, target.tokenizer.pad_token_id, target.tokenizer.eos_token_id) if t is not None), None)
+    if mask_token is None:
+        raise ValueError("the tokenizer has no pad or eos token to reuse as the mask token; set drafter.mask_token_id")
     vocab = None
     if cfg.draft_vocab_size is not None:
         always = tuple({target.tokenizer.eos_token_id, mask_token})
@@ -146,7 +150,12 @@ def distill(cfg: DistillConfig) -> dict:
     if len(examples) <= cfg.data.num_eval:
         raise ValueError(f"only {len(examples)} training examples; raise data.num_samples or the data budget")
     train_examples, eval_examples = examples[cfg.data.num_eval :], examples[: cfg.data.num_eval]
-    layers = tuple(cfg.drafter.feature_layers or default_feature_layers(target.model.config.num_hidden_layers, cfg.drafter.num_feature_layers))
+    num_layers = target.model.config.num_hidden_layers
+    layers = tuple(cfg.drafter.feature_layers or default_feature_layers(num_layers, cfg.drafter.num_feature_layers))
+    if not all(0 <= layer < num_layers for layer in layers):
+        raise ValueError(f"drafter.feature_layers={list(layers)} must lie in [0, {num_layers - 1}] (HF hidden-state "
+                         f"indices; {num_layers} is the final-norm output, which serving engines do not expose)")
+    torch.manual_seed(cfg.trainer.seed)  # initial drafter weights depend on the seed only
     drafter = build_drafter(cfg.drafter, target, train_examples, layers)
     began = time.perf_counter()
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
@@ -174,7 +183,11 @@ ConfigStore.instance().store(name="distill_schema", node=DistillConfig)
 @hydra.main(version_base=None, config_path="../conf", config_name="distill")
 def main(config) -> None:
     cfg: DistillConfig = OmegaConf.to_object(config)
-    results = distill(cfg)
+    try:
+        results = distill(cfg)
+    except FloatingPointError as err:
+        raise SystemExit(f"training stopped: {err}. The last good checkpoint is in {Path(cfg.run_dir) / 'checkpoints'}; "
+                         "lower trainer.lr or enable clipping, then rerun (trainer.resume=auto)") from None
     print("\nspecdraft distill — summary")
     for key in ("export_path", "lossless", "tau", "speedup_vs_plain", "match_rate", "train_steps", "eval_tau_estimate"):
         print(f"  {key:<20} {results[key]}")

@@ -43,6 +43,7 @@ def draft_layer_config(target_config, num_layers: int) -> Qwen3Config:
         rms_norm_eps=target_config.rms_norm_eps,
         max_position_embeddings=target_config.max_position_embeddings,
         rope_parameters=dict(rope),
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
         attention_bias=False,
         tie_word_embeddings=False,
     )
@@ -139,6 +140,8 @@ class BlockDrafter(nn.Module):
         self.mode, self.block_size, self.mask_token_id = mode, block_size, mask_token_id
         if draft_vocab_ids is None:
             draft_vocab_ids = torch.arange(target_vocab)
+        if not bool((draft_vocab_ids[1:] > draft_vocab_ids[:-1]).all()):
+            raise ValueError("draft_vocab_ids must be sorted and unique (speculators rebuilds the head in id order)")
         # draft id -> target id (speculators' d2t, as absolute ids).
         self.register_buffer("draft_to_target", draft_vocab_ids.long().clone(), persistent=True)
         self.fc = nn.Linear(num_feature_layers * target_config.hidden_size, width, bias=False)

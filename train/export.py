@@ -53,12 +53,13 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
         raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
     sidecar = path / SIDECAR
     expected = json.loads(sidecar.read_text())["target"] if sidecar.is_file() else None
-    if expected is None:  # a checkpoint from elsewhere: compare with the decoder config it records
+    actual = target_signature(target_model, target_name)
+    keys = SHAPE_KEYS
+    if expected is None:  # a checkpoint from elsewhere: only the widths its decoder config records can be compared
         layer_config = json.loads((path / "config.json").read_text()).get("transformer_layer_config", {})
         expected = {"name_or_path": "(recorded in config.json)", **{k: layer_config.get(k) for k in SHAPE_KEYS}}
-        expected["num_hidden_layers"] = target_model.config.num_hidden_layers  # the draft's own depth is recorded there
-    actual = target_signature(target_model, target_name)
-    if any(expected[k] != actual[k] for k in SHAPE_KEYS):
+        keys = ("vocab_size", "hidden_size")
+    if any(expected[k] != actual[k] for k in keys):
         raise ValueError(
             f"drafter {path} was distilled from target {expected['name_or_path']!r} "
             f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}) but the target is {target_name!r} "
@@ -66,7 +67,7 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
         )
     try:
         drafter, layers = import_speculators(path, target_model.config)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ValueError(f"drafter export {path} is corrupt or incomplete ({type(err).__name__}: {err})") from None
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)

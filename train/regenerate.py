@@ -26,7 +26,7 @@ def read_done(path: Path) -> dict[str, dict]:
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]  # keep whole lines only
-        path.write_text(text, encoding="utf-8")
+        os.truncate(path, len(text.encode("utf-8")))  # cut the torn tail in place; never rewrite what is done
     done = {}
     for line in text.splitlines():
         if line.strip():

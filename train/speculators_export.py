@@ -2,8 +2,8 @@
 
 The checkpoint is built by the `speculators` library itself (`from_training_args`, then
 `save_pretrained`), so its conventions are the library's, not re-implemented here:
-- `transformer_layer_config` is the verifier's decoder config with `num_hidden_layers` set to the
-  number of draft layers;
+- `transformer_layer_config` is the draft layers' decoder config (Qwen3-style, the verifier's
+  widths, heads and rotary settings, `num_hidden_layers` = draft layers);
 - `aux_hidden_state_layer_ids` index HF's `hidden_states` tuple (DeepSpec/z-lab layer id + 1),
   which is the convention of our `feature_layers` already;
 - the reduced vocabulary is `t2d` (bool over the verifier's vocabulary) and `d2t` (offsets:
@@ -40,8 +40,9 @@ def build_speculators_model(drafter: BlockDrafter, feature_layers, verifier_path
     from speculators.models.dspark import DSparkDraftModel
 
     cls = {"dspark": DSparkDraftModel, "dflash": DFlashDraftModel}[drafter.mode]
-    layer_config = copy.deepcopy(verifier_config)
-    layer_config.num_hidden_layers = len(drafter.layers)
+    # The draft layers' own config (Qwen3-style, tie off, full attention), not a copy of the verifier's,
+    # whose layer_types / tied embeddings / biases would not describe the trained layers.
+    layer_config = copy.deepcopy(drafter.config)
     target_vocab = verifier_config.vocab_size
     full_vocab = len(drafter.draft_to_target) == target_vocab and bool(
         (drafter.draft_to_target.cpu() == torch.arange(target_vocab)).all()

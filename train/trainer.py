@@ -2,13 +2,14 @@
 checkpoints with resume, held-out evaluation, W&B tracking (offline unless configured).
 
 The loss normaliser is the position-weight sum of the whole optimizer step (all micro-batches,
-all ranks), so the gradient of a 2-process run equals that of a 1-process run on the same global
-batch. Each rank takes its share of every global batch; anchors are seeded per sample.
+all ranks), and gradients are summed across ranks, so the gradient of a 2-process run equals that
+of a 1-process run on the same global batch. Each rank takes its share of every global batch;
+anchors are seeded per sample. The drafter is not wrapped in DDP (its step calls several of its
+methods, not one forward, so DDP's hooks would never fire): gradients are all-reduced explicitly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def evaluate(drafter, target_model, examples, feature_layers, cfg: TrainerConfig
     drafter.eval()
     totals, batches = {}, 0
     for start in range(0, len(examples), cfg.batch_size):
-        batch = make_batch(examples, list(range(start, min(start + cfg.batch_size, len(examples)))), 0, cfg.seed + 1, pad_id)
+        indices = list(range(start, min(start + cfg.batch_size, len(examples))))
+        batch = _to(make_batch(examples, indices, 0, cfg.seed + 1, pad_id), drafter.draft_to_target.device)
         loss, metrics = distill_step(drafter, target_model, batch, feature_layers, num_anchors, _settings(cfg))
         for key in ("ce", "l1", "tau_estimate", "tau_greedy"):
             totals[key] = totals.get(key, 0.0) + metrics[key]
@@ -71,6 +73,25 @@ def evaluate(drafter, target_model, examples, feature_layers, cfg: TrainerConfig
         batches += 1
     drafter.train()
     return {f"eval/{k}": v / max(batches, 1) for k, v in totals.items()}
+
+
+def _to(batch: Batch, device) -> Batch:
+    return Batch(*(t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.sample_seeds)))
+
+
+def _all_reduce_gradients(params, world: int) -> None:
+    """Sum gradients over ranks (the loss is already normalised by the global weight sum)."""
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(g)
+        offset += g.numel()
 
 
 def _settings(cfg: TrainerConfig) -> LossSettings:
@@ -106,45 +127,55 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         torch.set_rng_state(state["torch_rng"])
         start_step = meta["step"]
         accelerator.print(f"resumed from {resume} at step {start_step}")
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    model = accelerator.unwrap_model(drafter)
+    device = accelerator.device
+    model = drafter.to(device)
+    target_model.to(device)
     world, rank = accelerator.num_processes, accelerator.process_index
     per_step = cfg.batch_size * cfg.grad_accum * world
+    if len(train_examples) < per_step:
+        raise ValueError(
+            f"{len(train_examples)} training examples cannot fill one optimizer step of {per_step} "
+            f"(trainer.batch_size x trainer.grad_accum x {world} processes); add data or lower the batch"
+        )
     run = _start_tracking(tracking, run_dir, config) if accelerator.is_main_process else None
     summary, began = {"steps": start_step, "loss_history": []}, time.perf_counter()
     bar = tqdm(range(start_step, cfg.steps), desc="train", disable=not accelerator.is_main_process, mininterval=5)
-    drafter.train()
+    model.train()
     for step in bar:
         epoch, indices = global_batch_indices(len(train_examples), step, per_step, cfg.seed)
         micro = [indices[i : i + cfg.batch_size] for i in range(0, len(indices), cfg.batch_size)]
         mine = micro[rank::world]  # this rank's micro-batches of the global step
-        batches = [make_batch(train_examples, m, epoch, cfg.seed, pad_id) for m in mine]
+        batches = [_to(make_batch(train_examples, m, epoch, cfg.seed, pad_id), device) for m in mine]
         local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode == "eagle3") for b in batches)
-        total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32), reduction="sum")
-        for i, batch in enumerate(batches):
-            # Gradients are synchronised once per optimizer step, on its last micro-batch.
-            context = accelerator.no_sync(drafter) if i < len(batches) - 1 else contextlib.nullcontext()
-            with context, accelerator.autocast():
+        total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32, device=device), reduction="sum")
+        step_loss = torch.zeros((), device=device)
+        for batch in batches:
+            with accelerator.autocast():
                 loss, metrics = distill_step(model, target_model, batch, feature_layers, num_anchors, _settings(cfg), total)
-                # DDP averages gradients over ranks; scale back so the step gradient is the global sum.
-                accelerator.backward(loss * world)
-        grad_norm = accelerator.clip_grad_norm_(params, cfg.clip_grad_norm)
+            accelerator.backward(loss)
+            step_loss += loss.detach()
+        _all_reduce_gradients(params, world)
+        step_loss = accelerator.reduce(step_loss, reduction="sum")  # the global step loss
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
-        logged = {"train/loss": float(loss.detach()), "train/tau_estimate": metrics["tau_estimate"],
+        logged = {"train/loss": float(step_loss), "train/tau_estimate": metrics["tau_estimate"],
                   "train/tau_greedy": metrics["tau_greedy"], "train/lr": scheduler.get_last_lr()[0],
                   "train/grad_norm": float(grad_norm)}
+        # Every rank must agree on stopping, or one would wait forever in the next collective.
+        late = time_budget_s is not None and time.perf_counter() - began > time_budget_s
+        out_of_time = bool(accelerator.reduce(torch.tensor(float(late), device=device), reduction="sum") > 0)
+        # Checkpoint before evaluating or logging, so a failure there cannot lose the step.
+        if accelerator.is_main_process and (done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time):
+            state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+            save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step, "num_examples": len(train_examples)})
         if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps):
             logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id))
         if run is not None:
             run.log(logged, step=done)
         bar.set_postfix(loss=f"{logged['train/loss']:.3f}", tau=f"{metrics['tau_estimate']:.2f}")
-        out_of_time = time_budget_s is not None and time.perf_counter() - began > time_budget_s
-        if accelerator.is_main_process and (done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time):
-            state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
-            save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step})
         summary.update(steps=done, **logged)
         summary["loss_history"].append(logged["train/loss"])
         if out_of_time:
