@@ -187,6 +187,18 @@ def load_model_proposer(path: str, num_layers: int | None, target) -> tuple[Mode
     return ModelProposer(model), model
 
 
+def pick_draft_token(logits: torch.Tensor, draft_to_target: torch.Tensor, target_vocab: int, sampler: Sampler, generator):
+    """Greedy or sampled token from (1, V_draft) logits: (target id, q over the target vocabulary or None)."""
+    if sampler.greedy:
+        return draft_to_target[logits[0].argmax()], None
+    probs = sampler.probs(logits)  # (1, V_draft)
+    draft_id = sample(probs, generator)[0]
+    # q over the target's vocabulary: draft ids map to target ids, every other token has q = 0.
+    full = probs.new_zeros(target_vocab)
+    full[draft_to_target] = probs[0]
+    return draft_to_target[draft_id], full
+
+
 class BlockDrafterProposer:
     """A DSpark/DFlash block drafter: one backbone pass per block, Markov head sampled left to right.
 
@@ -238,16 +250,9 @@ class BlockDrafterProposer:
                 bias, state = heads.markov_step(embedding, hidden, state)
                 logits = logits + bias
                 confidence.append(torch.sigmoid(drafter.confidence_head(torch.cat([hidden, embedding], -1)))[0])
-            if sampler.greedy:
-                draft_id = logits[0].argmax()
-            else:
-                probs = sampler.probs(logits)  # (1, V_draft)
-                draft_id = sample(probs, generator)[0]
-                # q over the target's vocabulary: draft ids map to target ids, the rest has q = 0.
-                full = probs.new_zeros(target_vocab)
-                full[drafter.draft_to_target] = probs[0]
-                draft_probs.append(full)
-            token = drafter.draft_to_target[draft_id]
+            token, q = pick_draft_token(logits, drafter.draft_to_target, target_vocab, sampler, generator)
+            if q is not None:
+                draft_probs.append(q)
             tokens.append(int(token))
             previous = token.reshape(1)
         return Proposal(
@@ -294,15 +299,9 @@ class Eagle3Proposer:
         tokens, draft_probs = [], []
         for j in range(num_draft):
             logits = drafter.logits(hidden)[0, -1:]  # (1, V_draft)
-            if sampler.greedy:
-                draft_id = logits[0].argmax()
-            else:
-                probs = sampler.probs(logits)
-                draft_id = sample(probs, generator)[0]
-                full = probs.new_zeros(target_vocab)
-                full[drafter.draft_to_target] = probs[0]
-                draft_probs.append(full)
-            token = drafter.draft_to_target[draft_id]
+            token, q = pick_draft_token(logits, drafter.draft_to_target, target_vocab, sampler, generator)
+            if q is not None:
+                draft_probs.append(q)
             tokens.append(int(token))
             if j == num_draft - 1:
                 break

@@ -26,16 +26,13 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: dict) -> Path:
-    """Write checkpoints/step-NNNNNNN atomically; return its path."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+def write_folder_atomically(final: Path, write) -> Path:
+    """Call write(tmp) on a fresh sibling folder, then move it into place as `final` (replacing it)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        save_file(trainable_state(model), str(tmp / "drafter.safetensors"))
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))
+        write(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -43,6 +40,17 @@ def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: dict) -> Path:
+    """Write checkpoints/step-NNNNNNN atomically; return its path."""
+
+    def write(tmp: Path) -> None:
+        save_file(trainable_state(model), str(tmp / "drafter.safetensors"))
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))  # last: marks complete
+
+    return write_folder_atomically(Path(run_dir) / "checkpoints" / f"step-{step:07d}", write)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

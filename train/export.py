@@ -8,13 +8,11 @@ target is refused with both named, before any weight is touched.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from train.checkpoint import write_folder_atomically
 from train.drafter import BlockDrafter
 from train.speculators_export import export_speculators, import_speculators
 
@@ -30,20 +28,13 @@ def target_signature(target_model, name_or_path: str) -> dict:
 
 def save_drafter(out_dir: Path, drafter: BlockDrafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
     """Write the export atomically: speculators checkpoint + sidecar."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         export_speculators(drafter, feature_layers, verifier_path, target_model.config, tmp)
         sidecar = {"target": target_signature(target_model, target_name), "feature_layers": list(feature_layers)}
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_folder_atomically(out_dir, write)
 
 
 def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[BlockDrafter, tuple[int, ...]]:
