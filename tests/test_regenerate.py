@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
-import torch
-
 from tests.conftest import hf_greedy
 from train.data import chat_prompt_ids, response_ids_from_text, training_example
 from train.regenerate import load_regenerated, read_done, regenerate
