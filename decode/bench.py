@@ -27,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
-from decode.proposer import BlockDrafterProposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
+from decode.proposer import BlockDrafterProposer, Eagle3Proposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
 from decode.sampling import Sampler  # noqa: E402
 from decode.scheduler import build_scheduler  # noqa: E402
 from decode.session import CausalSession  # noqa: E402
@@ -55,7 +55,8 @@ def build_proposer(cfg: BenchConfig, target):
         if not cfg.proposer.path:
             raise ValueError("proposer=drafter needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.proposer.path, target.model, cfg.target.name_or_path)
-        return BlockDrafterProposer(drafter, feature_layers), None, {}  # HF has no block-drafter baseline
+        kind = Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer
+        return kind(drafter, feature_layers), None, {}  # HF has no block-drafter / Eagle-3 baseline
     raise ValueError(f"unknown proposer {name!r}; choose one of {list(PROPOSERS)}")
 
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from tests.conftest import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-DISTILL_GROUPS = {"drafter": ["dflash", "dspark"], "trainer": ["default"], "tracking": ["disabled", "offline"],
+DISTILL_GROUPS = {"drafter": ["dflash", "dspark", "eagle3"], "trainer": ["default"], "tracking": ["disabled", "offline"],
                   "experiment": ["smoke"], "data": ["jsonl", "sharegpt"], "target": ["smollm2_135m"]}
 
 
@@ -29,12 +29,20 @@ def compose_distill(overrides):
 @pytest.mark.parametrize("group,option", [(g, o) for g, options in DISTILL_GROUPS.items() for o in options])
 def test_every_distill_option_composes(group, option):
     cfg = compose_distill([f"{group}={option}"] + (["data.path=x"] if option == "jsonl" else []))
-    assert cfg.drafter.mode in ("dspark", "dflash")
+    assert cfg.drafter.mode in ("dspark", "dflash", "eagle3")
 
 
 def test_dflash_mode_sets_ce_only_loss():
     cfg = compose_distill(["drafter=dflash"])
     assert (cfg.drafter.mode, cfg.trainer.ce_weight, cfg.trainer.l1_weight) == ("dflash", 1.0, 0.0)
+
+
+def test_eagle3_mode_sets_ttt_steps_and_step_decay():
+    import math
+
+    cfg = compose_distill(["drafter=eagle3"])
+    assert (cfg.drafter.mode, cfg.drafter.block_size, cfg.trainer.confidence_weight) == ("eagle3", 7, 0.0)
+    assert math.exp(-1 / cfg.trainer.position_decay) == pytest.approx(0.8, abs=1e-4)  # Eagle-3's step decay
 
 
 def test_unknown_distill_key_fails():
@@ -52,11 +60,12 @@ def chat_file(tmp_path):
     return path
 
 
-def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir):
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
+def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
     run_dir = tmp_path / "run"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w3 w4 w5"}) + "\n" + json.dumps({"prompt": "w9 w9"}) + "\n")
-    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "experiment=smoke", f"target.name_or_path={tiny_model_dir}",
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"drafter={drafter}", "experiment=smoke", f"target.name_or_path={tiny_model_dir}",
            "data=jsonl", f"data.path={chat_file}", "drafter.draft_vocab_size=32", "drafter.feature_layers=[0,1]",
            "validate.data=jsonl", f"validate.data_path={prompts}", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -68,6 +77,8 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir):
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "specdraft.json").is_file()
     assert (run_dir / "checkpoints" / "step-0000006" / "meta.json").is_file()
     assert len((run_dir / "data" / "responses.jsonl").read_text().splitlines()) == 10  # 8 train + 2 eval
+    exported = json.loads((run_dir / "export" / "config.json").read_text())
+    assert exported["speculators_model_type"] == drafter
     # The export used with a different target is refused, naming both.
     from train.export import load_drafter
     from train.target import load_target

@@ -127,3 +127,52 @@ def test_export_of_a_qwen3_verifier_loads_back(tmp_path):
     assert loaded.config.transformer_layer_config.num_hidden_layers == 1
     back, _ = import_speculators(out, config)
     torch.testing.assert_close(back.state_dict()["fc.weight"], drafter.state_dict()["fc.weight"])
+
+
+def our_eagle3(target, vocab=None, steps=3):
+    from train.eagle3 import Eagle3Drafter
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(target.model.config, num_feature_layers=2, steps=steps, draft_vocab_ids=vocab)
+    drafter.copy_target_weights(target.model)
+    with torch.no_grad():  # norms away from 1 so a swapped norm would show
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("vocab", [torch.arange(0, 64, 2), None])
+def test_eagle3_export_loads_in_speculators_with_the_same_logits(verifier, tmp_path, vocab):
+    """Every weight maps by name; speculators' own TTT forward gives our logits at every step."""
+    from speculators import SpeculatorModel
+
+    path, target = verifier
+    drafter = our_eagle3(target, vocab)
+    out = export_speculators(drafter, (1, 2), path, target.model.config, tmp_path / "export")
+    loaded = SpeculatorModel.from_pretrained(str(out))
+    config = loaded.config
+    assert config.speculators_model_type == "eagle3" and config.eagle_aux_hidden_state_layer_ids == [1, 2]
+    assert config.transformer_layer_config.model_type == "llama" and config.transformer_layer_config.num_hidden_layers == 1
+    assert config.speculators_config.proposal_methods[0].speculative_tokens == 3
+    # Loading picks flex attention, which needs torch.compile; compute with their eager twin holding the loaded weights.
+    theirs = build_speculators_model(drafter, (1, 2), path, target.model.config)
+    theirs.load_state_dict(loaded.state_dict(), strict=True)  # same names, same shapes, nothing left over
+    theirs.eval()
+    captured = []
+    theirs.lm_head.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    torch.manual_seed(5)
+    length = 10
+    features, tokens = torch.randn(length, 64), torch.randint(0, 64, (length,))
+    with torch.no_grad():
+        ours = drafter.forward_ttt(features, tokens, 3)
+        # Their row t holds the token after t (our input at t is x_{t+1}), zero-padded at the end.
+        shifted = torch.cat([tokens[1:], tokens.new_zeros(1)])[None]
+        theirs(features[None], shifted, torch.zeros(1, length, dtype=torch.long), ttt_steps=3)
+    assert len(captured) == 3
+    for step in range(3):
+        torch.testing.assert_close(ours[step], captured[step], rtol=1e-4, atol=1e-5)
+    back, layers = import_speculators(out, target.model.config)
+    assert layers == (1, 2) and back.mode == "eagle3" and back.block_size == 3
+    for key, value in drafter.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[key], value, msg=key)

@@ -27,6 +27,7 @@ class TrainDataConfig:
     num_samples: int = 64  # training conversations (first N in file order, held-out split excluded)
     num_eval: int = 8  # held-out conversations for evaluation during training
     max_length: int = 384  # tokens per example (prompt + response)
+    max_prompt_length: int = 256  # longer chat prompts are skipped (ShareGPT has pasted documents of 20k tokens)
     regenerate: bool = True  # responses written by the target; false: the dataset's own responses
     regen_temperature: float = 0.0
     regen_max_new_tokens: int = 128
@@ -35,18 +36,18 @@ class TrainDataConfig:
 
 @dataclass
 class DrafterConfig:
-    """The drafter architecture: mode dspark | dflash."""
+    """The drafter architecture: mode dspark | dflash | eagle3."""
 
     mode: str = "dspark"
-    num_layers: int = 1
-    block_size: int = 7
+    num_layers: int = 1  # draft layers of a block drafter (an Eagle-3 head has one)
+    block_size: int = 7  # γ; for eagle3, the training-time-test steps (drafted tokens per proposal at most)
     markov_rank: int = 256
     markov_head_type: str = "vanilla"
     num_feature_layers: int = 5
     feature_layers: list[int] | None = None  # hidden-state indices; None: evenly spaced, never the last
     draft_vocab_size: int | None = 8192  # most frequent training tokens; None: the full target vocabulary
     mask_token_id: int | None = None  # None: the tokenizer's pad/eos token (an existing id, see README)
-    num_anchors: int = 16  # blocks per training sequence
+    num_anchors: int = 16  # blocks per training sequence (eagle3 trains on every position)
 
 
 @dataclass

@@ -28,11 +28,11 @@ from train.heads import ConfidenceHead, MarkovHead
 MODES = ("dspark", "dflash")
 
 
-def draft_layer_config(target_config, num_layers: int) -> Qwen3Config:
-    """A Qwen3 decoder config with the target's widths, heads and rotary settings, `num_layers` deep."""
+def draft_layer_config(target_config, num_layers: int, config_class=Qwen3Config):
+    """A decoder config (Qwen3 by default) with the target's widths, heads and rotary settings, `num_layers` deep."""
     head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
-    return Qwen3Config(
+    return config_class(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
         intermediate_size=target_config.intermediate_size,

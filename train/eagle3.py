@@ -15,37 +15,52 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from train.drafter import _apply_rotary, draft_layer_config
 
 
-class Eagle3Layer(nn.Module):
-    """Decoder layer over [token embedding; hidden] (2H) with a residual on the hidden input."""
+def eagle3_layer_config(target_config) -> LlamaConfig:
+    """The head's decoder config: a Llama layer (no q/k norms, as Eagle-3 heads are) with the target's widths."""
+    return draft_layer_config(target_config, 1, LlamaConfig)
 
-    def __init__(self, config):
+
+class Eagle3Attention(nn.Module):
+    """Projections of the 2H input; a module of its own so parameter names are speculators' `self_attn.*`."""
+
+    def __init__(self, config: LlamaConfig):
         super().__init__()
         width, self.heads, self.kv_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.q_proj = nn.Linear(2 * width, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)
-        self.input_layernorm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)  # on token embeddings
-        self.hidden_norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)  # on the hidden input
-        self.post_attention_layernorm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
-        self.mlp = Qwen3MLP(config)
+
+
+class Eagle3Layer(nn.Module):
+    """Decoder layer over [token embedding; hidden] (2H) with a residual on the hidden input."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        width = config.hidden_size
+        self.self_attn = Eagle3Attention(config)
+        self.input_layernorm = LlamaRMSNorm(width, eps=config.rms_norm_eps)  # on token embeddings
+        self.hidden_norm = LlamaRMSNorm(width, eps=config.rms_norm_eps)  # on the hidden input
+        self.post_attention_layernorm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
 
     def forward(self, embeddings, hidden, cos, sin, prefix_kv=None, mask=None):
         """Returns (output (B, S, H), own keys/values). Keys are [prefix; own] under `mask` (S, P+S)."""
-        batch, length, _ = hidden.shape
+        attn, (batch, length, _) = self.self_attn, hidden.shape
         x = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
-        q = _apply_rotary(self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = _apply_rotary(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = _apply_rotary(attn.q_proj(x).view(batch, length, attn.heads, attn.head_dim).transpose(1, 2), cos, sin)
+        k = _apply_rotary(attn.k_proj(x).view(batch, length, attn.kv_heads, attn.head_dim).transpose(1, 2), cos, sin)
+        v = attn.v_proj(x).view(batch, length, attn.kv_heads, attn.head_dim).transpose(1, 2)
         keys = k if prefix_kv is None else torch.cat([prefix_kv[0], k], dim=2)
         values = v if prefix_kv is None else torch.cat([prefix_kv[1], v], dim=2)
-        attended = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        out = hidden + self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
+        attended = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=attn.heads != attn.kv_heads)
+        out = hidden + attn.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))  # (B, S, H)
         return out + self.mlp(self.post_attention_layernorm(out)), (k, v)
 
 
@@ -58,16 +73,16 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, target_config, num_feature_layers: int = 3, steps: int = 7, draft_vocab_ids: torch.Tensor | None = None):
         super().__init__()
-        self.config = draft_layer_config(target_config, 1)
+        self.config = eagle3_layer_config(target_config)
         width, target_vocab = self.config.hidden_size, target_config.vocab_size
         self.block_size = steps  # drafted tokens per proposal at most, like a block drafter's block
         if draft_vocab_ids is None:
             draft_vocab_ids = torch.arange(target_vocab)
         self.register_buffer("draft_to_target", draft_vocab_ids.long().clone(), persistent=True)
         self.fc = nn.Linear(num_feature_layers * target_config.hidden_size, width, bias=False)
-        self.layer = Eagle3Layer(self.config)
-        self.norm = Qwen3RMSNorm(width, eps=self.config.rms_norm_eps)
-        self.rotary = Qwen3RotaryEmbedding(self.config)
+        self.layers = nn.ModuleList([Eagle3Layer(self.config)])  # one layer; speculators' names (layers.0.*)
+        self.norm = LlamaRMSNorm(width, eps=self.config.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(self.config)
         self.embed_tokens = nn.Embedding(target_vocab, width).requires_grad_(False)
         self.lm_head = nn.Linear(width, len(draft_vocab_ids), bias=False).requires_grad_(False)
 
@@ -95,7 +110,7 @@ class Eagle3Drafter(nn.Module):
             token_in = torch.where(index < length, tokens[index.clamp(max=length - 1)], filler_token)
             cos, sin = self.cos_sin(t + step, hidden)
             mask = torch.cat([causal] + [diagonal] * step, dim=1)  # (T, T*(step+1))
-            hidden, (k, v) = self.layer(self.embed_tokens(token_in)[None], hidden, cos, sin, prefix, mask)
+            hidden, (k, v) = self.layers[0](self.embed_tokens(token_in)[None], hidden, cos, sin, prefix, mask)
             prefix = (k, v) if prefix is None else (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
             outputs.append(self.lm_head(self.norm(hidden))[0])
         return outputs
@@ -109,13 +124,13 @@ class Eagle3Drafter(nn.Module):
         prefix_length = 0 if prefix_kv is None else prefix_kv[0].shape[2]
         mask = torch.cat([torch.ones(m, prefix_length, dtype=torch.bool, device=features.device),
                           positions[None, :] <= positions[:, None]], dim=1)
-        out, own = self.layer(self.embed_tokens(next_tokens)[None], self.fc(features)[None], cos, sin, prefix_kv, mask)
+        out, own = self.layers[0](self.embed_tokens(next_tokens)[None], self.fc(features)[None], cos, sin, prefix_kv, mask)
         return out, own
 
     def draft_step(self, token: torch.Tensor, hidden: torch.Tensor, position: int, prefix_kv):
         """One drafted position: input [emb(token); hidden] sees every cached key; returns (out (1,1,H), own kv)."""
         cos, sin = self.cos_sin(torch.tensor([position], device=hidden.device), hidden)
-        return self.layer(self.embed_tokens(token.reshape(1, 1)), hidden, cos, sin, prefix_kv, None)
+        return self.layers[0](self.embed_tokens(token.reshape(1, 1)), hidden, cos, sin, prefix_kv, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

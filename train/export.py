@@ -14,6 +14,7 @@ import torch
 
 from train.checkpoint import write_folder_atomically
 from train.drafter import BlockDrafter
+from train.eagle3 import Eagle3Drafter
 from train.speculators_export import export_speculators, import_speculators
 
 SIDECAR = "specdraft.json"
@@ -26,7 +27,7 @@ def target_signature(target_model, name_or_path: str) -> dict:
     return {"name_or_path": name_or_path, **{k: getattr(config, k) for k in SHAPE_KEYS}}
 
 
-def save_drafter(out_dir: Path, drafter: BlockDrafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
+def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
     """Write the export atomically: speculators checkpoint + sidecar."""
 
     def write(tmp: Path) -> None:
@@ -37,7 +38,7 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter, feature_layers, target_mo
     return write_folder_atomically(out_dir, write)
 
 
-def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[BlockDrafter, tuple[int, ...]]:
+def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[BlockDrafter | Eagle3Drafter, tuple[int, ...]]:
     """A drafter export for this target (refused, naming both, if it was made for another)."""
     path = Path(path)
     if not (path / "config.json").is_file():

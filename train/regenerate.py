@@ -63,7 +63,8 @@ def regenerate(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "responses.jsonl"
     done = read_done(path)
-    todo = [p for p in prompts if p["id"] not in done]
+    # Similar lengths batched together: less left padding to push through the target.
+    todo = sorted((p for p in prompts if p["id"] not in done), key=lambda p: len(p["prompt"]))
     eos = model.generation_config.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)

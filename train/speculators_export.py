@@ -1,4 +1,4 @@
-"""Export to, and import from, vLLM's `speculators` checkpoint format (dspark / dflash).
+"""Export to, and import from, vLLM's `speculators` checkpoint format (dspark / dflash / eagle3).
 
 The checkpoint is built by the `speculators` library itself (`from_training_args`, then
 `save_pretrained`), so its conventions are the library's, not re-implemented here:
@@ -11,6 +11,9 @@ The checkpoint is built by the `speculators` library itself (`from_training_args
 - the verifier's embeddings (and full-vocabulary LM head) are re-read at load time from
   `speculators_config.verifier.name_or_path`, which therefore must resolve: for the embedded
   target it is the converted local folder (repoint it by editing that field in config.json).
+- eagle3 heads are a Llama first layer over [embedding; hidden] (speculators' `Eagle3DraftModel` with a
+  `llama` layer config), their layer ids are `eagle_aux_hidden_state_layer_ids` (same indexing), and
+  the number of drafted tokens is the greedy proposal's `speculative_tokens`.
 Our parameter names already match theirs, so the state dict maps one to one.
 """
 
@@ -22,8 +25,9 @@ from pathlib import Path
 import torch
 
 from train.drafter import BlockDrafter
+from train.eagle3 import Eagle3Drafter
 
-SPECULATORS_CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}
+SPECULATORS_CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}
 
 
 def vocab_mappings(draft_to_target: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,20 +38,24 @@ def vocab_mappings(draft_to_target: torch.Tensor, target_vocab: int) -> tuple[to
     return t2d, d2t
 
 
-def build_speculators_model(drafter: BlockDrafter, feature_layers, verifier_path: str, verifier_config):
-    """A speculators DSpark/DFlash model with the same settings as `drafter` (weights not copied)."""
+def build_speculators_model(drafter, feature_layers, verifier_path: str, verifier_config):
+    """A speculators DSpark/DFlash/Eagle-3 model with the same settings as `drafter` (weights not copied)."""
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dspark import DSparkDraftModel
+    from speculators.models.eagle3 import Eagle3DraftModel
 
-    cls = {"dspark": DSparkDraftModel, "dflash": DFlashDraftModel}[drafter.mode]
+    cls = {"dspark": DSparkDraftModel, "dflash": DFlashDraftModel, "eagle3": Eagle3DraftModel}[drafter.mode]
     # The draft layers' own config (Qwen3-style, tie off, full attention), not a copy of the verifier's,
     # whose layer_types / tied embeddings / biases would not describe the trained layers.
     layer_config = copy.deepcopy(drafter.config)
     target_vocab = verifier_config.vocab_size
-    full_vocab = len(drafter.draft_to_target) == target_vocab and bool(
-        (drafter.draft_to_target.cpu() == torch.arange(target_vocab)).all()
-    )
-    t2d, d2t = (None, None) if full_vocab else vocab_mappings(drafter.draft_to_target.cpu(), target_vocab)
+    t2d, d2t = (None, None) if full_vocabulary(drafter, target_vocab) else vocab_mappings(drafter.draft_to_target.cpu(), target_vocab)
+    if drafter.mode == "eagle3":
+        return cls.from_training_args(
+            verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier_path,
+            draft_vocab_size=len(drafter.draft_to_target), norm_before_residual=False, ttt_steps=drafter.block_size,
+            target_layer_ids=list(feature_layers), draft_attn_impl="eager",
+        )
     kwargs = dict(
         verifier_name_or_path=verifier_path, draft_vocab_size=len(drafter.draft_to_target),
         block_size=drafter.block_size, mask_token_id=drafter.mask_token_id, target_layer_ids=list(feature_layers),
@@ -58,7 +66,7 @@ def build_speculators_model(drafter: BlockDrafter, feature_layers, verifier_path
     return cls.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **kwargs)
 
 
-def export_speculators(drafter: BlockDrafter, feature_layers, verifier_path: str, verifier_config, out_dir: Path) -> Path:
+def export_speculators(drafter, feature_layers, verifier_path: str, verifier_config, out_dir: Path) -> Path:
     """Write a speculators checkpoint of `drafter` to out_dir; returns out_dir."""
     model = build_speculators_model(drafter, feature_layers, verifier_path, verifier_config)
     ours = {k: v for k, v in drafter.state_dict().items() if k != "draft_to_target" and not k.startswith("rotary.")}
@@ -72,8 +80,8 @@ def export_speculators(drafter: BlockDrafter, feature_layers, verifier_path: str
     return out_dir
 
 
-def import_speculators(path: str | Path, target_config) -> tuple[BlockDrafter, tuple[int, ...]]:
-    """A speculators dspark/dflash checkpoint as our BlockDrafter (to decode with our engine)."""
+def import_speculators(path: str | Path, target_config) -> tuple[BlockDrafter | Eagle3Drafter, tuple[int, ...]]:
+    """A speculators dspark/dflash/eagle3 checkpoint as our drafter (to decode with our engine)."""
     from speculators import SpeculatorModel
 
     model = SpeculatorModel.from_pretrained(str(path))
@@ -81,24 +89,39 @@ def import_speculators(path: str | Path, target_config) -> tuple[BlockDrafter, t
     mode = config.speculators_model_type
     if mode not in SPECULATORS_CLASSES:
         raise ValueError(f"{path} is a speculators {mode!r} checkpoint; only {sorted(SPECULATORS_CLASSES)} decode here")
-    if not config.sample_from_anchor:
-        raise ValueError(f"{path} uses sample_from_anchor=false (the anchor is the bonus token); only true is supported")
-    layers = tuple(config.aux_hidden_state_layer_ids)
     state = model.state_dict()
     if getattr(model, "use_draft_vocab", False):
         draft_ids = torch.arange(config.draft_vocab_size) + state["d2t"]
     else:
         draft_ids = torch.arange(target_config.vocab_size)
+    if mode == "eagle3":
+        layers = tuple(config.eagle_aux_hidden_state_layer_ids)
+        steps = config.speculators_config.proposal_methods[0].speculative_tokens
+        drafter = Eagle3Drafter(target_config, num_feature_layers=len(layers), steps=steps, draft_vocab_ids=draft_ids)
+        return _load_ours(drafter, state, path), layers
+    if not config.sample_from_anchor:
+        raise ValueError(f"{path} uses sample_from_anchor=false (the anchor is the bonus token); only true is supported")
+    layers = tuple(config.aux_hidden_state_layer_ids)
     drafter = BlockDrafter(
         target_config, num_layers=config.transformer_layer_config.num_hidden_layers, num_feature_layers=len(layers),
         block_size=config.block_size, mask_token_id=config.mask_token_id, mode=mode,
         markov_rank=getattr(config, "markov_rank", 256), markov_head_type=getattr(config, "markov_head_type", "vanilla"),
         draft_vocab_ids=draft_ids,
     )
+    return _load_ours(drafter, state, path), layers
+
+
+def full_vocabulary(drafter, target_vocab: int) -> bool:
+    ids = drafter.draft_to_target.cpu()
+    return len(ids) == target_vocab and bool((ids == torch.arange(target_vocab)).all())
+
+
+def _load_ours(drafter, state: dict, path):
+    """Copy a speculators state dict into our drafter; every one of our weights must be found."""
     ours = {k: v for k, v in state.items() if k in drafter.state_dict()}
     if "lm_head.weight" not in ours:  # full vocabulary: speculators keeps the verifier's head
         ours["lm_head.weight"] = state["verifier_lm_head.weight"]
     missing, unexpected = drafter.load_state_dict(ours, strict=False)
     if [k for k in missing if k != "draft_to_target"] or unexpected:
         raise ValueError(f"{path}: weights do not map onto our drafter: missing {missing}, unexpected {unexpected}")
-    return drafter.eval(), layers
+    return drafter.eval()

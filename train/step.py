@@ -88,11 +88,15 @@ def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, al
 
 
 def eagle3_pieces(drafter, features: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor):
-    """Training-time-test logits of one sequence and their targets, laid out like blocks (T, S, ...)."""
+    """Training-time-test logits of one sequence and their targets, laid out like blocks (T, S, ...):
+    draft logits, target probabilities over the draft vocabulary, target mass outside it, tokens, validity."""
     steps, length = drafter.block_size, ids.shape[0]
     draft_logits = torch.stack(drafter.forward_ttt(features, ids, steps), dim=1)  # (T, S, V_draft)
     rows = (torch.arange(length)[:, None] + 1 + torch.arange(steps)[None, :]).clamp(max=length - 1)  # (T, S)
-    return draft_logits, logits[rows], ids[(rows + 1).clamp(max=length - 1)], unrolled_validity(mask, steps)
+    # Softmax once per position, then gather: (T, S, V_target) would be ~0.5 GB per 384-token row.
+    probs = logits.float().softmax(-1)[:, drafter.draft_to_target]  # (T, V_draft)
+    draft_probs = probs[rows]  # (T, S, V_draft)
+    return draft_logits, draft_probs, 1 - draft_probs.sum(-1), ids[(rows + 1).clamp(max=length - 1)], unrolled_validity(mask, steps)
 
 
 def distill_step(
@@ -111,10 +115,9 @@ def distill_step(
     for b in range(batch.input_ids.shape[0]):
         mask = batch.loss_mask[b].bool()
         if drafter.mode == "eagle3":
-            draft_logits, target_logits, tokens, valid = eagle3_pieces(
+            draft_logits, draft_probs, outside, tokens, valid = eagle3_pieces(
                 drafter, features[b].to(drafter.fc.weight.dtype), batch.input_ids[b], mask, logits[b])
-            draft_probs = target_logits.float().softmax(-1)[..., drafter.draft_to_target]
-            pieces.append((draft_logits, draft_probs, 1 - draft_probs.sum(-1), to_draft[tokens], valid, None))
+            pieces.append((draft_logits, draft_probs, outside, to_draft[tokens], valid, None))
             continue
         anchors = sample_anchors(mask, num_anchors, int(batch.sample_seeds[b]))
         if len(anchors) == 0:
