@@ -144,16 +144,22 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     kinds = ["plain", "spec"] + (["hf_generate"] if cfg.bench.baselines else [])
     kinds += [baseline_name] if cfg.bench.baselines and baseline_name else []
+    results = run_interleaved(kinds, run, encoded)
+    summary = summarize(cfg, sampler, target, results, baseline_name)
+    write_outputs(Path(cfg.out_dir), summary, prompts, encoded, results["spec"], target.tokenizer)
+    return summary
+
+
+def run_interleaved(kinds: list[str], run, encoded: list[list[int]]) -> dict[str, list[Generation]]:
+    """Every method on every prompt, `run(kind, index, ids)`, after one warm-up call of each; the order
+    rotates per prompt so no method always runs first (cache and CPU frequency effects)."""
     for kind in kinds:  # warm-up: first-call allocations and lazy inits stay out of the timings
         run(kind, 0, encoded[0][:16])
     results: dict[str, list[Generation]] = {kind: [] for kind in kinds}
     for index, ids in enumerate(tqdm(encoded, desc="prompts", mininterval=5)):
-        # Rotate the order per prompt so no method always runs first (cache, frequency effects).
         for kind in kinds[index % len(kinds) :] + kinds[: index % len(kinds)]:
             results[kind].append(run(kind, index, ids))
-    summary = summarize(cfg, sampler, target, results, baseline_name)
-    write_outputs(Path(cfg.out_dir), summary, prompts, encoded, results["spec"], target.tokenizer)
-    return summary
+    return results
 
 
 def summarize(cfg: BenchConfig, sampler: Sampler, target, results: dict, baseline_name: str) -> dict:

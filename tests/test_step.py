@@ -29,10 +29,9 @@ def test_anchors_are_seeded_per_sample_and_precede_response_tokens():
 def test_block_targets_align_slots_with_next_tokens():
     ids = torch.arange(10)
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 0], dtype=torch.bool)
-    logits = torch.arange(10.0)[:, None].repeat(1, 3)
-    rows, tokens, previous, valid = block_targets(ids, mask, logits, torch.tensor([1, 5]), 4)
+    rows, tokens, previous, valid = block_targets(ids, mask, torch.tensor([1, 5]), 4)
     assert tokens[0].tolist() == [2, 3, 4, 5] and previous[0].tolist() == [1, 2, 3, 4]
-    assert rows[0, :, 0].tolist() == [1, 2, 3, 4]  # slot k uses the target's logits at a+k
+    assert rows[0].tolist() == [1, 2, 3, 4]  # slot k uses the target's prediction at a+k
     assert valid[1].tolist() == [True, True, False, False]  # response ends after position 7
 
 

@@ -32,6 +32,7 @@ class TrainDataConfig:
     regen_temperature: float = 0.0
     regen_max_new_tokens: int = 128
     regen_batch_size: int = 8
+    cache_dir: str | None = None  # folder of responses.jsonl; None: DIR/data (share one to train modes on the same data)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class TrainerConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     position_decay: float = 4.0
+    # Keep each sequence's target features/distributions in memory after its first forward, so later
+    # epochs skip the target (float32, ~44 KB per token with 5 layers of 576 and an 8k draft vocabulary).
+    cache_target_gb: float = 4.0  # 0: a target forward for every batch
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from train.losses import distill_loss, position_weights
-from train.target import target_features
+from train.signals import target_signals
 
 
 @dataclass
@@ -52,13 +52,13 @@ def slot_validity(loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: in
     return valid.long().cumprod(-1).bool()  # a block ends at its first invalid slot
 
 
-def block_targets(input_ids, loss_mask, target_logits, anchors, block_size: int):
-    """Per block slot: the target's logits, its token, the Markov previous token, and validity."""
-    # input_ids, loss_mask (T,); target_logits (T, V); anchors (N,)
+def block_targets(input_ids, loss_mask, anchors, block_size: int):
+    """Per block slot: the row of the target's prediction, its token, the Markov previous token, validity."""
+    # input_ids, loss_mask (T,); anchors (N,) -> (N, γ) each
     last = input_ids.shape[0] - 1
     rows = (anchors[:, None] + torch.arange(block_size, device=anchors.device)).clamp(max=last)  # (N, γ)
     next_tokens = input_ids[(rows + 1).clamp(max=last)]
-    return target_logits[rows], next_tokens, input_ids[rows], slot_validity(loss_mask, anchors, block_size)
+    return rows, next_tokens, input_ids[rows], slot_validity(loss_mask, anchors, block_size)
 
 
 def target_to_draft_ids(draft_to_target: torch.Tensor, target_vocab: int) -> torch.Tensor:
@@ -87,16 +87,13 @@ def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, al
     return total
 
 
-def eagle3_pieces(drafter, features: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor):
-    """Training-time-test logits of one sequence and their targets, laid out like blocks (T, S, ...):
-    draft logits, target probabilities over the draft vocabulary, target mass outside it, tokens, validity."""
+def eagle3_pieces(drafter, features: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor):
+    """Training-time-test logits of one sequence, laid out like blocks (T, S, ...): draft logits, the
+    rows of the target's predictions, tokens, validity."""
     steps, length = drafter.block_size, ids.shape[0]
     draft_logits = torch.stack(drafter.forward_ttt(features, ids, steps), dim=1)  # (T, S, V_draft)
     rows = (torch.arange(length)[:, None] + 1 + torch.arange(steps)[None, :]).clamp(max=length - 1)  # (T, S)
-    # Softmax once per position, then gather: (T, S, V_target) would be ~0.5 GB per 384-token row.
-    probs = logits.float().softmax(-1)[:, drafter.draft_to_target]  # (T, V_draft)
-    draft_probs = probs[rows]  # (T, S, V_draft)
-    return draft_logits, draft_probs, 1 - draft_probs.sum(-1), ids[(rows + 1).clamp(max=length - 1)], unrolled_validity(mask, steps)
+    return draft_logits, rows, ids[(rows + 1).clamp(max=length - 1)], unrolled_validity(mask, steps)
 
 
 def distill_step(
@@ -107,23 +104,26 @@ def distill_step(
     num_anchors: int,
     settings: LossSettings = LossSettings(),
     normalizer: torch.Tensor | float | None = None,
+    signals=target_signals,
 ) -> tuple[torch.Tensor, dict]:
-    """Loss and metrics of one batch; `normalizer` is the (all-reduced) weight sum, else local."""
-    features, logits = target_features(target_model, batch.input_ids, batch.attention_mask, feature_layers)
-    to_draft = target_to_draft_ids(drafter.draft_to_target, logits.shape[-1])
+    """Loss and metrics of one batch; `normalizer` is the (all-reduced) weight sum, else local.
+    `signals` gives the target's features and distributions (online, or a train.signals.SignalCache)."""
+    features, probs, outside = signals(target_model, batch.input_ids, batch.attention_mask, feature_layers,
+                                       drafter.draft_to_target)  # (B, T, L*H), (B, T, V_draft), (B, T)
+    to_draft = target_to_draft_ids(drafter.draft_to_target, drafter.embed_tokens.num_embeddings)
     pieces = []
     for b in range(batch.input_ids.shape[0]):
         mask = batch.loss_mask[b].bool()
         if drafter.mode == "eagle3":
-            draft_logits, draft_probs, outside, tokens, valid = eagle3_pieces(
-                drafter, features[b].to(drafter.fc.weight.dtype), batch.input_ids[b], mask, logits[b])
-            pieces.append((draft_logits, draft_probs, outside, to_draft[tokens], valid, None))
+            draft_logits, rows, tokens, valid = eagle3_pieces(
+                drafter, features[b].to(drafter.fc.weight.dtype), batch.input_ids[b], mask)
+            pieces.append((draft_logits, probs[b][rows], outside[b][rows], to_draft[tokens], valid, None))
             continue
         anchors = sample_anchors(mask, num_anchors, int(batch.sample_seeds[b]))
         if len(anchors) == 0:
             continue
         ids = batch.input_ids[b]
-        target_logits, tokens, previous, valid = block_targets(ids, mask, logits[b], anchors, drafter.block_size)
+        rows, tokens, previous, valid = block_targets(ids, mask, anchors, drafter.block_size)
         context = drafter.project_context(features[b : b + 1].to(drafter.fc.weight.dtype))[0]  # (T, H)
         out = drafter.forward_packed(context, anchors, ids[anchors])
         draft_logits, confidence = out.logits, None
@@ -131,9 +131,7 @@ def distill_step(
             draft_logits = draft_logits + drafter.markov_head.block_bias(previous, out.hidden)
             embedding = drafter.markov_head.markov_w1(previous).to(out.hidden.dtype)
             confidence = drafter.confidence_head(torch.cat([out.hidden, embedding], dim=-1))
-        probs = target_logits.float().softmax(-1)  # (N, γ, V_target)
-        draft_probs = probs[..., drafter.draft_to_target]  # (N, γ, V_draft)
-        pieces.append((draft_logits, draft_probs, 1 - draft_probs.sum(-1), to_draft[tokens], valid, confidence))
+        pieces.append((draft_logits, probs[b][rows], outside[b][rows], to_draft[tokens], valid, confidence))
     if not pieces:
         raise ValueError("no sample in this batch has a response token to predict; check the loss masks")
     cat = lambda i: None if pieces[0][i] is None else torch.cat([p[i] for p in pieces])  # noqa: E731
@@ -141,5 +139,5 @@ def distill_step(
         cat(0), cat(1), cat(3), cat(4), cat(5),
         ce_weight=settings.ce_weight, l1_weight=settings.l1_weight,
         confidence_weight=settings.confidence_weight, decay=settings.decay, normalizer=normalizer,
-        target_outside_mass=cat(2).clamp_min(0),
+        target_outside_mass=cat(2).clamp_min(0),  # (fp rounding can leave it slightly negative)
     )

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrackingConfig, TrainerConfig
+from train.signals import SignalCache, target_signals
 from train.step import Batch, LossSettings, distill_step, weight_sum
 
 
@@ -59,14 +60,15 @@ def _start_tracking(tracking: TrackingConfig, run_dir: Path, config: dict):
 
 
 @torch.no_grad()
-def evaluate(drafter, target_model, examples, feature_layers, cfg: TrainerConfig, num_anchors: int, pad_id: int) -> dict:
+def evaluate(drafter, target_model, examples, feature_layers, cfg: TrainerConfig, num_anchors: int, pad_id: int,
+             signals=target_signals) -> dict:
     """Held-out loss and tau estimates, averaged over fixed-seed batches."""
     drafter.eval()
     totals, batches = {}, 0
     for start in range(0, len(examples), cfg.batch_size):
         indices = list(range(start, min(start + cfg.batch_size, len(examples))))
         batch = _to(make_batch(examples, indices, 0, cfg.seed + 1, pad_id), drafter.draft_to_target.device)
-        loss, metrics = distill_step(drafter, target_model, batch, feature_layers, num_anchors, _settings(cfg))
+        loss, metrics = distill_step(drafter, target_model, batch, feature_layers, num_anchors, _settings(cfg), signals=signals)
         for key in ("ce", "l1", "tau_estimate", "tau_greedy"):
             totals[key] = totals.get(key, 0.0) + metrics[key]
         totals["loss"] = totals.get("loss", 0.0) + float(loss)
@@ -137,6 +139,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
             f"{len(train_examples)} training examples cannot fill one optimizer step of {per_step} "
             f"(trainer.batch_size x trainer.grad_accum x {world} processes); add data or lower the batch"
         )
+    signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
     run = _start_tracking(tracking, run_dir, config) if accelerator.is_main_process else None
     summary, began = {"steps": start_step, "loss_history": []}, time.perf_counter()
     bar = tqdm(range(start_step, cfg.steps), desc="train", disable=not accelerator.is_main_process, mininterval=5)
@@ -151,7 +154,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         step_loss = torch.zeros((), device=device)
         for batch in batches:
             with accelerator.autocast():
-                loss, metrics = distill_step(model, target_model, batch, feature_layers, num_anchors, _settings(cfg), total)
+                loss, metrics = distill_step(model, target_model, batch, feature_layers, num_anchors, _settings(cfg), total, signals)
             accelerator.backward(loss)
             step_loss += loss.detach()
         _all_reduce_gradients(params, world)
@@ -172,7 +175,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
             state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
             save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step, "num_examples": len(train_examples)})
         if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps):
-            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id))
+            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals))
         if run is not None:
             run.log(logged, step=done)
         bar.set_postfix(loss=f"{logged['train/loss']:.3f}", tau=f"{metrics['tau_estimate']:.2f}")

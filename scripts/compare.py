@@ -1,0 +1,161 @@
+"""DSpark vs DFlash vs Eagle-3 on one target: identical data, steps and seed; one benchmark table.
+
+    .venv/bin/python scripts/compare.py [--out runs/compare] [--experiment cpu_full] [-- distill overrides ...]
+
+1. Trains each mode with `train/distill.py drafter=MODE experiment=EXPERIMENT` into OUT/MODE, all reading
+   one regenerated data set (OUT/data, produced by the first mode with no data time limit) and the same
+   seed. A mode whose OUT/MODE/results.json exists is skipped; an interrupted one resumes from its last
+   checkpoint (trainer.resume=auto).
+2. Benchmarks every export on --num-prompts prompts of each data set (MT-bench, held-out ShareGPT) at each
+   temperature, in --dtype: per prompt, plain decoding and every drafter run interleaved (order rotated), so
+   the plain baseline is measured once per data set and temperature and every ratio comes from one run.
+   Each (data, temperature) result is saved as OUT/bench/DATA-T.json and skipped when present.
+3. Prints and writes OUT/compare.md (and OUT/compare.json): τ by position, mean τ, tokens/s, speedup vs
+   plain, and the τ ratios dspark/dflash and dspark/eagle3.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[0] = str(REPO)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+
+import torch  # noqa: E402
+
+MODES = ("dspark", "dflash", "eagle3")
+
+
+def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> dict:
+    """Distill one mode into OUT/MODE (skipped when done, resumed when interrupted)."""
+    results = out / mode / "results.json"
+    if results.is_file():
+        print(f"[{mode}] trained already: {results}")
+        return json.loads(results.read_text())
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"drafter={mode}", f"experiment={experiment}",
+           f"hydra.run.dir={out / mode}", f"data.cache_dir={out / 'data'}", "budget.data_s=1e9",
+           "validate.num_prompts=0", *overrides]
+    print(f"[{mode}] " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return json.loads(results.read_text())
+
+
+def bench_one(target, proposers: dict, data: str, temperature: float, num_prompts: int, max_new_tokens: int,
+              seed: int) -> dict:
+    """Plain decoding and every proposer on the same prompts, interleaved; statistics per method."""
+    from decode.bench import eos_ids, run_interleaved
+    from decode.generate import speculative_generate
+    from decode.metrics import acceptance_stats, timing_stats
+    from decode.proposer import NoProposer
+    from decode.sampling import Sampler
+    from decode.session import CausalSession
+    from train.data import chat_prompt_ids, load_prompts
+
+    sampler = Sampler(temperature)
+    prompts = load_prompts(data, None, num_prompts)
+    encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
+    stop = eos_ids(target)
+    layers = next(iter(proposers.values())).feature_layers
+    session = CausalSession(target.model, layers)
+
+    def run(kind: str, index: int, ids: list[int]):
+        generator = torch.Generator().manual_seed(seed + index)
+        if kind == "plain":
+            return speculative_generate(session, ids, NoProposer(), sampler, max_new_tokens, 0, stop, generator=generator)
+        proposer = proposers[kind]
+        return speculative_generate(session, ids, proposer, sampler, max_new_tokens, proposer.drafter.block_size, stop,
+                                    generator=generator)
+
+    results = run_interleaved(["plain", *proposers], run, encoded)
+    plain = timing_stats(results["plain"])
+    table = {"plain": {"tokens_per_s": plain["tokens_per_s"]}}
+    for kind in proposers:
+        timing = timing_stats(results[kind])
+        same = [g.output_ids == p.output_ids for g, p in zip(results[kind], results["plain"])]
+        table[kind] = {**acceptance_stats(results[kind]), "tokens_per_s": timing["tokens_per_s"],
+                       "speedup_vs_plain": timing["tokens_per_s"] / plain["tokens_per_s"],
+                       "match_rate_vs_plain": sum(same) / len(same) if sampler.greedy else None}
+    return {"data": data, "temperature": temperature, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "methods": table}
+
+
+def markdown(benches: list[dict], modes: list[str]) -> str:
+    lines = []
+    for bench in benches:
+        methods = bench["methods"]
+        lines += [f"\n### {bench['data']}, T={bench['temperature']:g} ({bench['num_prompts']} prompts, "
+                  f"{bench['max_new_tokens']} new tokens; plain {methods['plain']['tokens_per_s']:.2f} tok/s)\n",
+                  "| mode | τ | acceptance by position | tok/s | speedup vs plain | match vs plain |",
+                  "|---|---|---|---|---|---|"]
+        for mode in modes:
+            m = methods[mode]
+            by_position = " ".join("-" if a is None else f"{a:.2f}" for a in m["acceptance_by_position"])
+            match = "-" if m["match_rate_vs_plain"] is None else f"{m['match_rate_vs_plain']:.2f}"
+            lines.append(f"| {mode} | {m['tau']:.3f} | {by_position} | {m['tokens_per_s']:.2f} | "
+                         f"{m['speedup_vs_plain']:.3f} | {match} |")
+        taus = {mode: methods[mode]["tau"] for mode in modes}
+        ratios = [f"τ(dspark)/τ({other}) = {taus['dspark'] / taus[other]:.3f}" for other in ("dflash", "eagle3")
+                  if "dspark" in taus and other in taus]
+        if ratios:
+            lines.append("\n" + "; ".join(ratios))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare")
+    parser.add_argument("--experiment", default="cpu_full", help="the distill overlay every mode trains with")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--data", nargs="+", default=["mtbench", "sharegpt_heldout"], choices=["mtbench", "sharegpt_heldout"])
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", help="target dtype of the speed benchmark")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="extra distill overrides, after --")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    trained = {mode: train_mode(mode, out, args.experiment, args.overrides) for mode in args.modes}
+
+    from decode.bench import strip_generation_defaults
+    from decode.proposer import BlockDrafterProposer, Eagle3Proposer
+    from train.export import load_drafter
+    from train.target import load_target
+
+    target = load_target(trained[args.modes[0]]["config"]["target"]["name_or_path"], args.dtype, args.threads)
+    strip_generation_defaults(target.model)
+    proposers = {}
+    for mode in args.modes:
+        drafter, layers = load_drafter(trained[mode]["export_path"], target.model, trained[mode]["config"]["target"]["name_or_path"])
+        proposers[mode] = (Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer)(drafter, layers)
+    if len({p.feature_layers for p in proposers.values()}) != 1:
+        raise ValueError("the modes were trained on different target layers; one verify pass cannot serve them all")
+    benches = []
+    for data in args.data:
+        for temperature in args.temperatures:
+            path = out / "bench" / f"{data}-T{temperature:g}.json"
+            if path.is_file() and set(json.loads(path.read_text())["methods"]) >= set(args.modes):
+                benches.append(json.loads(path.read_text()))
+                continue
+            print(f"benchmark: {data}, T={temperature:g}", flush=True)
+            bench = bench_one(target, proposers, data, temperature, args.num_prompts, args.max_new_tokens, args.seed)
+            bench.update(dtype=args.dtype, train_steps={m: trained[m]["train_steps"] for m in args.modes})
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(json.dumps(bench, indent=2) + "\n")
+            os.replace(path.with_suffix(".tmp"), path)
+            benches.append(bench)
+    text = f"# DSpark vs DFlash vs Eagle-3 ({args.dtype}, experiment={args.experiment})\n" + markdown(benches, args.modes)
+    (out / "compare.md").write_text(text)
+    (out / "compare.json").write_text(json.dumps(benches, indent=2) + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
