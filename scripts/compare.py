@@ -3,8 +3,8 @@
     .venv/bin/python scripts/compare.py [--out runs/compare] [--experiment cpu_full] [-- distill overrides ...]
 
 1. Trains each mode with `train/distill.py drafter=MODE experiment=EXPERIMENT` into OUT/MODE, all reading
-   one regenerated data set (OUT/data, produced by the first mode with no data time limit) and the same
-   seed. A mode whose OUT/MODE/results.json exists is skipped; an interrupted one resumes from its last
+   one regenerated data set (OUT/data, produced by the first mode with no data time limit), the same seed
+   and the same number of steps (no training time limit, so a slower mode is not cut short). A mode whose OUT/MODE/results.json exists is skipped; an interrupted one resumes from its last
    checkpoint (trainer.resume=auto).
 2. Benchmarks every export on --num-prompts prompts of each data set (MT-bench, held-out ShareGPT) at each
    temperature, in --dtype: per prompt, plain decoding and every drafter run interleaved (order rotated), so
@@ -38,8 +38,9 @@ def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> d
     if results.is_file():
         print(f"[{mode}] trained already: {results}")
         return json.loads(results.read_text())
-    cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"drafter={mode}", f"experiment={experiment}",
-           f"hydra.run.dir={out / mode}", f"data.cache_dir={out / 'data'}", "budget.data_s=1e9",
+    overlay = [] if experiment == "default" else [f"experiment={experiment}"]
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"drafter={mode}", *overlay,
+           f"hydra.run.dir={out / mode}", "budget.train_s=1e9", f"data.cache_dir={out / 'data'}", "budget.data_s=1e9",
            "validate.num_prompts=0", *overrides]
     print(f"[{mode}] " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
@@ -110,7 +111,8 @@ def markdown(benches: list[dict], modes: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare")
-    parser.add_argument("--experiment", default="cpu_full", help="the distill overlay every mode trains with")
+    parser.add_argument("--experiment", default="cpu_full",
+                        help="the distill overlay every mode trains with ('default': none, the no-argument settings)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--data", nargs="+", default=["mtbench", "sharegpt_heldout"], choices=["mtbench", "sharegpt_heldout"])
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])

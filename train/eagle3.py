@@ -18,7 +18,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from train.drafter import _apply_rotary, draft_layer_config
+from train.drafter import ScaledLinear, _apply_rotary, draft_layer_config
 
 
 def eagle3_layer_config(target_config) -> LlamaConfig:
@@ -79,7 +79,7 @@ class Eagle3Drafter(nn.Module):
         if draft_vocab_ids is None:
             draft_vocab_ids = torch.arange(target_vocab)
         self.register_buffer("draft_to_target", draft_vocab_ids.long().clone(), persistent=True)
-        self.fc = nn.Linear(num_feature_layers * target_config.hidden_size, width, bias=False)
+        self.fc = ScaledLinear(num_feature_layers * target_config.hidden_size, width)
         self.layers = nn.ModuleList([Eagle3Layer(self.config)])  # one layer; speculators' names (layers.0.*)
         self.norm = LlamaRMSNorm(width, eps=self.config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(self.config)

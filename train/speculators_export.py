@@ -69,7 +69,9 @@ def build_speculators_model(drafter, feature_layers, verifier_path: str, verifie
 def export_speculators(drafter, feature_layers, verifier_path: str, verifier_config, out_dir: Path) -> Path:
     """Write a speculators checkpoint of `drafter` to out_dir; returns out_dir."""
     model = build_speculators_model(drafter, feature_layers, verifier_path, verifier_config)
-    ours = {k: v for k, v in drafter.state_dict().items() if k != "draft_to_target" and not k.startswith("rotary.")}
+    ours = {k: v for k, v in drafter.state_dict().items()
+            if k not in ("draft_to_target", "fc.input_scale") and not k.startswith("rotary.")}
+    ours["fc.weight"] = drafter.fc.folded_weight().detach()  # speculators' fc is a plain Linear
     missing, unexpected = model.load_state_dict(ours, strict=False)
     # What speculators keeps that we do not: the verifier's own norm/LM head and the vocabulary maps.
     allowed_missing = {"verifier_norm.weight", "verifier_lm_head.weight", "t2d", "d2t"}
@@ -122,6 +124,6 @@ def _load_ours(drafter, state: dict, path):
     if "lm_head.weight" not in ours:  # full vocabulary: speculators keeps the verifier's head
         ours["lm_head.weight"] = state["verifier_lm_head.weight"]
     missing, unexpected = drafter.load_state_dict(ours, strict=False)
-    if [k for k in missing if k != "draft_to_target"] or unexpected:
+    if [k for k in missing if k not in ("draft_to_target", "fc.input_scale")] or unexpected:  # the scale stays 1
         raise ValueError(f"{path}: weights do not map onto our drafter: missing {missing}, unexpected {unexpected}")
     return drafter.eval()

@@ -124,6 +124,12 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
     resume = _resume_from(cfg, run_dir)
     if resume is not None:
         state, meta = load_checkpoint(resume, drafter)
+        if meta.get("num_examples", len(train_examples)) != len(train_examples):
+            raise ValueError(
+                f"checkpoint {resume} was trained on {meta['num_examples']} examples but {len(train_examples)} are "
+                "given now: the data changed, so the batch order would too. Resume with the same data, or start "
+                "afresh (trainer.resume=never, or another hydra.run.dir)"
+            )
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
