@@ -36,15 +36,22 @@ def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> d
     """Distill one mode into OUT/MODE (skipped when done, resumed when interrupted)."""
     results = out / mode / "results.json"
     if results.is_file():
-        print(f"[{mode}] trained already: {results}")
-        return json.loads(results.read_text())
+        done = json.loads(results.read_text())
+        if done.get("compare_settings") == [experiment, *overrides]:
+            print(f"[{mode}] trained already: {results}")
+            return done
+        raise SystemExit(f"{results} was trained with {done.get('compare_settings')}, not {[experiment, *overrides]}; "
+                         "use another --out, or delete that mode's folder to retrain it")
     overlay = [] if experiment == "default" else [f"experiment={experiment}"]
     cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"drafter={mode}", *overlay,
            f"hydra.run.dir={out / mode}", "budget.train_s=1e9", f"data.cache_dir={out / 'data'}", "budget.data_s=1e9",
            "validate.num_prompts=0", *overrides]
     print(f"[{mode}] " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
-    return json.loads(results.read_text())
+    done = json.loads(results.read_text())
+    done["compare_settings"] = [experiment, *overrides]  # what a rerun must match to reuse this mode
+    results.write_text(json.dumps(done, indent=2) + "\n")
+    return done
 
 
 def bench_one(target, proposers: dict, data: str, temperature: float, num_prompts: int, max_new_tokens: int,
@@ -64,11 +71,12 @@ def bench_one(target, proposers: dict, data: str, temperature: float, num_prompt
     stop = eos_ids(target)
     layers = next(iter(proposers.values())).feature_layers
     session = CausalSession(target.model, layers)
+    plain_session = CausalSession(target.model)  # plain decoding gathers no hidden states
 
     def run(kind: str, index: int, ids: list[int]):
         generator = torch.Generator().manual_seed(seed + index)
         if kind == "plain":
-            return speculative_generate(session, ids, NoProposer(), sampler, max_new_tokens, 0, stop, generator=generator)
+            return speculative_generate(plain_session, ids, NoProposer(), sampler, max_new_tokens, 0, stop, generator=generator)
         proposer = proposers[kind]
         return speculative_generate(session, ids, proposer, sampler, max_new_tokens, proposer.drafter.block_size, stop,
                                     generator=generator)
@@ -143,12 +151,15 @@ def main() -> None:
     for data in args.data:
         for temperature in args.temperatures:
             path = out / "bench" / f"{data}-T{temperature:g}.json"
-            if path.is_file() and set(json.loads(path.read_text())["methods"]) >= set(args.modes):
-                benches.append(json.loads(path.read_text()))
+            settings = {"dtype": args.dtype, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                        "seed": args.seed, "exports": {m: trained[m]["export_path"] for m in args.modes}}
+            saved = json.loads(path.read_text()) if path.is_file() else None
+            if saved and saved.get("settings") == settings and set(saved["methods"]) >= set(args.modes):
+                benches.append(saved)
                 continue
             print(f"benchmark: {data}, T={temperature:g}", flush=True)
             bench = bench_one(target, proposers, data, temperature, args.num_prompts, args.max_new_tokens, args.seed)
-            bench.update(dtype=args.dtype, train_steps={m: trained[m]["train_steps"] for m in args.modes})
+            bench.update(settings=settings, train_steps={m: trained[m]["train_steps"] for m in args.modes})
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text(json.dumps(bench, indent=2) + "\n")
             os.replace(path.with_suffix(".tmp"), path)

@@ -29,7 +29,9 @@ class TrainDataConfig:
     max_length: int = 320  # tokens per example (prompt + response)
     max_prompt_length: int = 256  # longer chat prompts are skipped (ShareGPT has pasted documents of 20k tokens)
     regenerate: bool = True  # responses written by the target; false: the dataset's own responses
-    num_regenerate: int | None = 64  # regenerate only the first N conversations (the rest keep their own); null: all
+    # Regenerate only the first N conversations (the held-out evaluation ones, which come first, included);
+    # the rest keep the data set's own responses. null: all.
+    num_regenerate: int | None = 64
     regen_temperature: float = 0.0
     regen_max_new_tokens: int = 96
     regen_batch_size: int = 16

@@ -54,7 +54,8 @@ class ValidateConfig:
 
 @dataclass
 class BudgetConfig:
-    """Seconds per stage; a stage that runs out stops cleanly (data and training resume later)."""
+    """Seconds per stage; a stage that runs out stops cleanly (training resumes on a rerun; regeneration
+    resumes too unless a checkpoint exists, since a checkpoint's data must not change)."""
 
     data_s: float = 120.0
     train_s: float = 400.0
@@ -102,7 +103,8 @@ def build_examples(cfg: DistillConfig, target, run_dir: Path, budget_s: float, e
         began, step = time.perf_counter(), cfg.data.regen_batch_size
         for start in range(0, len(chosen) if extend else 0, step):  # batch by batch, so the budget is checked between
             if time.perf_counter() - began > budget_s:
-                print(f"data budget of {budget_s:.0f}s reached; training on what was regenerated (rerun to resume)")
+                print(f"data budget of {budget_s:.0f}s reached; training on what was regenerated (a rerun in a new "
+                      "run folder, or with the same data.cache_dir before training starts, continues it)")
                 break
             regenerate(target.model, target.tokenizer, chosen[start : start + step], data_dir,
                        cfg.data.regen_max_new_tokens, cfg.data.regen_temperature, cfg.data.regen_batch_size, cfg.trainer.seed)

@@ -96,7 +96,12 @@ def import_speculators(path: str | Path, target_config) -> tuple[BlockDrafter | 
         draft_ids = torch.arange(config.draft_vocab_size) + state["d2t"]
     else:
         draft_ids = torch.arange(target_config.vocab_size)
+    _check_layer_config(config, target_config, path)
     if mode == "eagle3":
+        variants = {k: getattr(config, k, False) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+        if any(variants.values()) or config.transformer_layer_config.num_hidden_layers != 1:
+            raise ValueError(f"{path}: an Eagle-3 variant we do not implement ({variants}, "
+                             f"{config.transformer_layer_config.num_hidden_layers} layers); only the plain one-layer head decodes here")
         layers = tuple(config.eagle_aux_hidden_state_layer_ids)
         steps = config.speculators_config.proposal_methods[0].speculative_tokens
         drafter = Eagle3Drafter(target_config, num_feature_layers=len(layers), steps=steps, draft_vocab_ids=draft_ids)
@@ -118,9 +123,24 @@ def full_vocabulary(drafter, target_vocab: int) -> bool:
     return len(ids) == target_vocab and bool((ids == torch.arange(target_vocab)).all())
 
 
+def _check_layer_config(config, target_config, path) -> None:
+    """Our drafters take widths, heads and rotary settings from the target: the checkpoint must agree."""
+    layer = config.transformer_layer_config
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps")
+    head_dim = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
+    theirs = {**{k: getattr(layer, k, None) for k in keys}, "head_dim": head_dim(layer)}
+    ours = {**{k: getattr(target_config, k, None) for k in keys}, "head_dim": head_dim(target_config)}
+    if theirs != ours:
+        raise ValueError(f"{path}: draft layers {theirs} differ from the target's {ours}; this checkpoint is not for this target")
+
+
 def _load_ours(drafter, state: dict, path):
-    """Copy a speculators state dict into our drafter; every one of our weights must be found."""
+    """Copy a speculators state dict into our drafter; every one of our weights must be found, and
+    every one of theirs used (a weight we would drop means a variant we do not implement)."""
     ours = {k: v for k, v in state.items() if k in drafter.state_dict()}
+    leftover = set(state) - set(ours) - {"verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t"}
+    if leftover:
+        raise ValueError(f"{path}: weights our drafter has no place for: {sorted(leftover)}")
     if "lm_head.weight" not in ours:  # full vocabulary: speculators keeps the verifier's head
         ours["lm_head.weight"] = state["verifier_lm_head.weight"]
     missing, unexpected = drafter.load_state_dict(ours, strict=False)

@@ -71,7 +71,8 @@ def target_to_draft_ids(draft_to_target: torch.Tensor, target_vocab: int) -> tor
 def unrolled_validity(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
     """(T, S) bool for Eagle-3: step s at position t predicts response token t+s+2 inside the sequence."""
     length = loss_mask.shape[0]
-    predicted = torch.arange(length)[:, None] + 2 + torch.arange(steps)[None, :]  # (T, S)
+    positions = torch.arange(length, device=loss_mask.device)
+    predicted = positions[:, None] + 2 + torch.arange(steps, device=loss_mask.device)[None, :]  # (T, S)
     valid = (predicted < length) & loss_mask[predicted.clamp(max=length - 1)]
     return valid.long().cumprod(-1).bool()
 
@@ -80,7 +81,7 @@ def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, al
     """The loss normaliser of a batch: total position weight of its valid slots (blocks, or Eagle-3 steps)."""
     total = torch.zeros(())
     weights = position_weights(block_size, decay)
-    for mask, seed in zip(batch.loss_mask.bool(), batch.sample_seeds.tolist()):
+    for mask, seed in zip(batch.loss_mask.bool().cpu(), batch.sample_seeds.tolist()):  # a scalar: count on the CPU
         valid = unrolled_validity(mask, block_size) if all_positions else slot_validity(
             mask, sample_anchors(mask, num_anchors, seed), block_size)
         total = total + (valid * weights).sum()
@@ -92,7 +93,8 @@ def eagle3_pieces(drafter, features: torch.Tensor, ids: torch.Tensor, mask: torc
     rows of the target's predictions, tokens, validity."""
     steps, length = drafter.block_size, ids.shape[0]
     draft_logits = torch.stack(drafter.forward_ttt(features, ids, steps), dim=1)  # (T, S, V_draft)
-    rows = (torch.arange(length)[:, None] + 1 + torch.arange(steps)[None, :]).clamp(max=length - 1)  # (T, S)
+    rows = (torch.arange(length, device=ids.device)[:, None] + 1 + torch.arange(steps, device=ids.device)[None, :])
+    rows = rows.clamp(max=length - 1)  # (T, S)
     return draft_logits, rows, ids[(rows + 1).clamp(max=length - 1)], unrolled_validity(mask, steps)
 
 

@@ -10,6 +10,8 @@ methods, not one forward, so DDP's hooks would never fire): gradients are all-re
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import time
 from pathlib import Path
@@ -46,6 +48,14 @@ def global_batch_indices(num_examples: int, step: int, per_step: int, seed: int)
     order = list(range(num_examples))
     random.Random(seed * 7919 + epoch).shuffle(order)
     return epoch, order[offset * per_step : (offset + 1) * per_step]
+
+
+def data_fingerprint(examples: list[dict]) -> str:
+    """What a checkpoint was trained on: a hash of every example's tokens and loss mask, in order."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(json.dumps([example["input_ids"], [int(m) for m in example["loss_mask"]]]).encode())
+    return f"{len(examples)}:{digest.hexdigest()[:16]}"
 
 
 def _start_tracking(tracking: TrackingConfig, run_dir: Path, config: dict):
@@ -121,14 +131,16 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
     start_step = 0
+    fingerprint = data_fingerprint(train_examples)
     resume = _resume_from(cfg, run_dir)
     if resume is not None:
         state, meta = load_checkpoint(resume, drafter)
-        if meta.get("num_examples", len(train_examples)) != len(train_examples):
+        if meta.get("data_fingerprint", fingerprint) != fingerprint:
             raise ValueError(
-                f"checkpoint {resume} was trained on {meta['num_examples']} examples but {len(train_examples)} are "
-                "given now: the data changed, so the batch order would too. Resume with the same data, or start "
-                "afresh (trainer.resume=never, or another hydra.run.dir)"
+                f"checkpoint {resume} was trained on {meta['num_examples']} examples (fingerprint "
+                f"{meta['data_fingerprint']}) but {len(train_examples)} are given now ({fingerprint}): the data "
+                "changed, so the batches would too. Resume with the same data, or start afresh "
+                "(trainer.resume=never, or another hydra.run.dir)"
             )
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -179,7 +191,8 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         # Checkpoint before evaluating or logging, so a failure there cannot lose the step.
         if accelerator.is_main_process and (done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time):
             state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
-            save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step, "num_examples": len(train_examples)})
+            save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step, "num_examples": len(train_examples),
+                                                                "data_fingerprint": fingerprint})
         if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps):
             logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals))
         if run is not None:
