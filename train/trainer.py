@@ -193,7 +193,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
             state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
             save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step, "num_examples": len(train_examples),
                                                                 "data_fingerprint": fingerprint})
-        if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps):
+        if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
             logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals))
         if run is not None:
             run.log(logged, step=done)
