@@ -112,7 +112,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts)
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
-    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold)
+    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold)  # TODO profile
     strip_generation_defaults(target.model)
     session = CausalSession(target.model, proposer.feature_layers)
     stop = eos_ids(target)

@@ -18,13 +18,9 @@ import torch
 
 from decode.proposer import Proposal, Proposer
 from decode.sampling import Sampler, sample
+from decode.scheduler import cut
 from decode.session import CausalSession
 from decode.verifier import greedy_accept, rejection_accept
-
-# How many drafted tokens of a proposal to verify. To keep sampling lossless a scheduler must be a
-# stopping rule: whether position j is verified may depend on tokens before j and on what was known
-# before x_j was sampled (q_j, a confidence computed from x_<j), never on x_j itself or later positions.
-Scheduler = Callable[[Proposal], int]
 
 
 @dataclass
@@ -34,6 +30,8 @@ class Generation:
     output_ids: list[int]
     drafted: list[int] = field(default_factory=list)  # per verify step: tokens drafted and verified
     accepted: list[int] = field(default_factory=list)  # per verify step: drafted tokens accepted
+    # per verify step with a confidence head: its raw logits for the positions drafted (calibration data)
+    confidence_logits: list[list[float]] = field(default_factory=list)
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -54,7 +52,7 @@ def speculative_generate(
     max_new_tokens: int,
     num_draft: int,
     eos_token_ids: set[int] | list[int] = (),
-    scheduler: Scheduler | None = None,
+    scheduler=None,  # a stopping rule from decode/scheduler.py (None: verify every drafted token)
     generator: torch.Generator | None = None,
     accept_fn: Callable | None = None,
 ) -> Generation:
@@ -81,11 +79,11 @@ def speculative_generate(
         room = max_new_tokens - len(result.output_ids)
         # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
         limit = min(num_draft, room - 1)
-        proposal = proposer.propose(context, limit, sampler, generator)
+        proposal = proposer.propose(context, limit, sampler, generator, scheduler)
         if len(proposal.tokens) > limit:
             raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
-        if scheduler is not None:
-            proposal = proposal.truncate(max(0, min(scheduler(proposal), len(proposal.tokens))))
+        if scheduler is not None:  # proposers without confidences ignore the rule; cut their block here
+            proposal = proposal.truncate(cut(proposal, scheduler))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
         logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
@@ -97,6 +95,8 @@ def speculative_generate(
         context.extend(new_tokens[:keep])
         result.drafted.append(len(proposal.tokens))
         result.accepted.append(num_accepted)
+        if proposal.confidence_logits is not None:
+            result.confidence_logits.append(proposal.confidence_logits.tolist())
         if any(t in eos_ids for t in new_tokens[:keep]):
             break
         proposer.commit(context, None if features is None else features[: 1 + num_accepted])

@@ -22,16 +22,18 @@ from decode.session import CausalSession
 
 @dataclass
 class Proposal:
-    """A drafted block: tokens (k,), their draft distributions q (k, V) or None, confidences (k,) or None."""
+    """A drafted block: tokens (k,), their draft distributions q (k, V) or None, confidences (k,) or None
+    (calibrated, when the export carries a calibration) and the confidence head's raw logits (k,)."""
 
     tokens: list[int]
     draft_probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
 
     def truncate(self, length: int) -> "Proposal":
         """The first `length` positions of the block."""
         cut = lambda t: None if t is None else t[:length]  # noqa: E731
-        return Proposal(self.tokens[:length], cut(self.draft_probs), cut(self.confidence))
+        return Proposal(self.tokens[:length], cut(self.draft_probs), cut(self.confidence), cut(self.confidence_logits))
 
 
 class Proposer(Protocol):
@@ -40,9 +42,13 @@ class Proposer(Protocol):
 
     def start(self, context_ids: list[int], features: torch.Tensor | None) -> None: ...  # prompt + first token
 
-    def propose(self, context_ids: list[int], num_draft: int, sampler: Sampler, generator) -> Proposal: ...
+    # rule: a scheduler's stopping rule (decode/scheduler.py) a proposer with confidences may apply
+    # before sampling each position; others ignore it and the loop cuts their proposal afterwards.
+    def propose(self, context_ids: list[int], num_draft: int, sampler: Sampler, generator, rule=None) -> Proposal: ...
 
     def commit(self, context_ids: list[int], features: torch.Tensor | None) -> None: ...
+
+    def clone(self) -> "Proposer": ...  # same weights, own state: one per concurrent request
 
 
 class NoProposer:
@@ -51,10 +57,13 @@ class NoProposer:
     max_draft = 0
     feature_layers = ()
 
+    def clone(self):
+        return self  # stateless
+
     def start(self, context_ids, features):
         pass
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         return Proposal([])
 
     def commit(self, context_ids, features):
@@ -83,10 +92,13 @@ class NgramProposer:
             raise ValueError(f"need 1 <= proposer.min_ngram ({min_ngram}) <= proposer.max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
 
+    def clone(self):
+        return self  # stateless: the context is passed in every call
+
     def start(self, context_ids, features):
         pass
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         return Proposal(ngram_lookup(context_ids, num_draft, self.max_ngram, self.min_ngram))
 
     def commit(self, context_ids, features):
@@ -113,11 +125,14 @@ class ModelProposer:
         self.cached: list[int] = []  # tokens whose keys/values are in the drafter's cache
         self.agreed = 0  # cached[:agreed] is known to equal the context (it was context last time)
 
+    def clone(self) -> "ModelProposer":
+        return ModelProposer(self.session.model)
+
     def start(self, context_ids, features):
         self.session.reset()
         self.cached, self.agreed = [], 0
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         if num_draft == 0:
             return Proposal([])
         # Roll back to what still agrees with the context; keep >= 1 token to feed for fresh logits.
@@ -207,12 +222,22 @@ class BlockDrafterProposer:
     projected features' keys/values are cached per draft layer and cropped like the target's cache.
     """
 
-    def __init__(self, drafter, feature_layers: tuple[int, ...]):
+    def __init__(self, drafter, feature_layers: tuple[int, ...], calibration: dict | None = None):
         self.drafter = drafter.eval()
         self.feature_layers = tuple(feature_layers)
         self.max_draft = drafter.block_size
+        self.calibration = calibration  # {"greedy"|"sampling": per-position temperatures}, see decode/calibration.py
         self.cache: list | None = None
         self.length = 0  # context positions in the cache
+
+    def clone(self) -> "BlockDrafterProposer":
+        """A proposer with its own (empty) context sharing this one's weights: one per concurrent request."""
+        return BlockDrafterProposer(self.drafter, self.feature_layers, self.calibration)
+
+    def _temperatures(self, sampler: Sampler) -> list[float] | None:
+        if not self.calibration:
+            return None
+        return self.calibration.get("greedy" if sampler.greedy else "sampling")
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
@@ -233,7 +258,7 @@ class BlockDrafterProposer:
         self._append(features)
 
     @torch.inference_mode()
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         if num_draft == 0:
             return Proposal([])
         drafter = self.drafter
@@ -241,15 +266,22 @@ class BlockDrafterProposer:
         out = drafter.forward_block(self.cache, self.length, anchor)  # logits (1, γ, V_draft)
         heads = drafter.markov_head
         state = heads.initial_state(1, out.hidden[:, 0]) if heads is not None else None
-        previous, tokens, draft_probs, confidence = anchor, [], [], []
+        temperatures = self._temperatures(sampler)
+        previous, tokens, draft_probs, confidence, raw = anchor, [], [], [], []
         target_vocab = drafter.embed_tokens.num_embeddings
         for k in range(num_draft):
             logits, hidden = out.logits[:, k], out.hidden[:, k]  # (1, V_draft), (1, H)
             if heads is not None:
                 embedding = heads.markov_w1(previous)  # (1, r)
+                # c_k depends on x_{k-1} (through W1) but not on x_k: the rule may stop here, before x_k is drawn.
+                z = drafter.confidence_head(torch.cat([hidden, embedding], -1)).float()[0]
+                raw.append(z)
+                confidence.append(torch.sigmoid(z / temperatures[k] if temperatures else z))
+                if rule is not None and not rule.verify([float(c) for c in confidence]):
+                    confidence.pop(), raw.pop()
+                    break
                 bias, state = heads.markov_step(embedding, hidden, state)
                 logits = logits + bias
-                confidence.append(torch.sigmoid(drafter.confidence_head(torch.cat([hidden, embedding], -1)))[0])
             token, q = pick_draft_token(logits, drafter.draft_to_target, target_vocab, sampler, generator)
             if q is not None:
                 draft_probs.append(q)
@@ -259,6 +291,7 @@ class BlockDrafterProposer:
             tokens,
             torch.stack(draft_probs) if draft_probs else None,
             torch.stack(confidence) if confidence else None,
+            torch.stack(raw) if raw else None,
         )
 
 
@@ -292,8 +325,11 @@ class Eagle3Proposer:
     def commit(self, context_ids, features):
         self._append(context_ids, features)
 
+    def clone(self) -> "Eagle3Proposer":
+        return Eagle3Proposer(self.drafter, self.feature_layers)
+
     @torch.inference_mode()
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         drafter, hidden, prefix = self.drafter, self.last_hidden, self.cache
         position, target_vocab = self.length - 1, drafter.embed_tokens.num_embeddings
         tokens, draft_probs = [], []

@@ -2,35 +2,130 @@
 
 A scheduler must be a stopping rule to keep sampling lossless: whether position j is verified may
 depend only on what was known before x_j was sampled. DSpark's confidence c_j is computed from the
-backbone state and W1[x_{j-1}], so "verify while c_j >= threshold, stop at the first c_j below it"
-qualifies; a rule that looks at later positions to decide about x_j would not (DSpark, App. A).
+backbone state and W1[x_{j-1}], so it is known before x_j is drawn; every rule here looks at
+c_1..c_j (and the survival a_j = Π_{i≤j} c_i) to decide about position j, decides left to right,
+and stops at the first position it rejects. A rule that looked at later positions to decide about
+x_j would bias the output (DSpark, App. A; tests/test_schedulers.py shows the bias it would cause).
+
+Rules are plain objects with `verify(confidences) -> bool`: `confidences` holds c_1..c_j (calibrated)
+and the answer says whether position j is verified. The proposer asks before sampling x_j, so a
+"no" also saves the drafting of later positions; `cut` applies a rule to a finished proposal.
 """
 
 from __future__ import annotations
 
+import math
+
 from decode.proposer import Proposal
 
-SCHEDULERS = ("fixed", "threshold")
+SCHEDULERS = ("fixed", "threshold", "cost", "load")
 
 
-def threshold_cut(proposal: Proposal, threshold: float) -> int:
-    """Verify positions up to the first whose confidence is below `threshold`."""
-    if not proposal.tokens:
-        return 0
-    if proposal.confidence is None:
-        raise ValueError("scheduler=threshold needs a proposer with a confidence head (proposer=drafter with a dspark export)")
-    for position, confidence in enumerate(proposal.confidence.tolist()):
-        if confidence < threshold:
-            return position
-    return len(proposal.tokens)
+class FixedRule:
+    """Verify every drafted position (decode.num_draft bounds the block)."""
+
+    needs_confidence = False
+
+    def verify(self, confidences: list[float]) -> bool:
+        return True
 
 
-def build_scheduler(name: str, threshold: float = 0.5):
-    """None for a fixed verify length (decode.num_draft), else a callback Proposal -> tokens to verify."""
-    if name == "fixed":
-        return None
-    if name == "threshold":
+class ThresholdRule:
+    """Verify while c_j >= threshold; stop at the first position below it."""
+
+    needs_confidence = True
+
+    def __init__(self, threshold: float):
         if not 0 <= threshold <= 1:
             raise ValueError(f"scheduler.threshold={threshold} must be a probability in [0, 1]")
-        return lambda proposal: threshold_cut(proposal, threshold)
+        self.threshold = threshold
+
+    def verify(self, confidences: list[float]) -> bool:
+        return confidences[-1] >= self.threshold
+
+
+def expected_tokens(confidences: list[float]) -> float:
+    """1 + Σ_j a_j: the target's own token plus each drafted position's chance of surviving."""
+    total, survival = 1.0, 1.0
+    for c in confidences:
+        survival *= c
+        total += survival
+    return total
+
+
+class CostRule:
+    """Latency mode for one request: extend the verify length while the expected tokens per second
+    (1 + Σ_{j≤ℓ} a_j) / (t_draft(ℓ) + t_verify(1 + ℓ)) improves; stop at the first non-improvement.
+    Times come from a measured cost profile (decode/profile.py). ℓ = 0 (plain decoding this step)
+    is chosen from c_1 alone, which needs only the backbone pass and the known anchor."""
+
+    needs_confidence = True
+
+    def __init__(self, profile, rows: int = 1):
+        self.profile, self.rows = profile, rows
+
+    def rate(self, confidences: list[float]) -> float:
+        length = len(confidences)
+        seconds = self.profile.draft_s(length) + self.profile.verify_s(self.rows, 1 + length)
+        return expected_tokens(confidences) / seconds
+
+    def verify(self, confidences: list[float]) -> bool:
+        return self.rate(confidences) > self.rate(confidences[:-1])
+
+
+def cut(proposal: Proposal, rule) -> int:
+    """How many positions of a finished proposal the rule verifies (it stops at its first "no")."""
+    if not proposal.tokens:
+        return 0
+    if proposal.confidence is None and rule.needs_confidence:
+        raise ValueError(
+            f"this scheduler ({type(rule).__name__}) needs a proposer with a confidence head "
+            "(proposer=drafter with a dspark export); use scheduler=fixed otherwise"
+        )
+    # Without a confidence head every position counts as c = 1 for rules that do not need it.
+    values = proposal.confidence.tolist() if proposal.confidence is not None else [1.0] * len(proposal.tokens)
+    for j in range(len(values)):
+        if not rule.verify(values[: j + 1]):
+            return j
+    return len(values)
+
+
+def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list[int]:
+    """DSpark's load-aware admission (Algorithm 1) for one batched step.
+
+    survival[r] holds a_{r,1..k_r} (non-increasing) for each request; every request always gets its
+    target token. Pairs (r, j) are admitted in order of a_{r,j} (ties: lower j first, then lower r)
+    while Θ = expected tokens / step seconds improves; the first non-improvement stops admission.
+    Admitting (r, j) depends only on pairs ranked above it, which for request r are positions < j:
+    nothing about x_{r,j} or later positions enters the decision (the stopping-rule property).
+    `verify_s(rows, length)` is the verify-step time of the engine's padded (rows, length) shape.
+    Returns the verify length per request.
+    """
+    rows = len(survival)
+    pairs = sorted(((a, j, r) for r, values in enumerate(survival) for j, a in enumerate(values)),
+                   key=lambda item: (-item[0], item[1], item[2]))
+    lengths = [0] * rows
+    expected = float(rows)  # each request's own target token
+    best = expected / (draft_s + verify_s(rows, 1))
+    for a, j, r in pairs:
+        if j != lengths[r]:  # a tie broke the prefix order; positions of a request are admitted in order
+            break
+        longest = max(max(lengths), j + 1)
+        rate = (expected + a) / (draft_s + verify_s(rows, 1 + longest))
+        if not rate > best or math.isnan(rate):
+            break
+        lengths[r], expected, best = j + 1, expected + a, rate
+    return lengths
+
+
+def build_scheduler(name: str, threshold: float = 0.5, profile=None):
+    """The stopping rule for scheduler=NAME (load: the per-request rule is fixed; admission is batched)."""
+    if name in ("fixed", "load"):
+        return FixedRule()
+    if name == "threshold":
+        return ThresholdRule(threshold)
+    if name == "cost":
+        if profile is None:
+            raise ValueError("scheduler=cost needs a measured cost profile (decode/profile.py)")
+        return CostRule(profile)
     raise ValueError(f"unknown scheduler {name!r}; choose one of {list(SCHEDULERS)}")

@@ -148,15 +148,15 @@ def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
     from decode.generate import speculative_generate
     from decode.proposer import BlockDrafterProposer, Proposal
     from decode.sampling import Sampler
-    from decode.scheduler import build_scheduler
+    from decode.scheduler import build_scheduler, cut
     from decode.session import CausalSession
     from tests.conftest import hf_greedy
 
-    cut = build_scheduler("threshold", 0.5)
-    assert cut(Proposal([1, 2, 3], confidence=torch.tensor([0.9, 0.4, 0.8]))) == 1
-    assert cut(Proposal([1, 2], confidence=torch.tensor([0.9, 0.6]))) == 2
+    rule = build_scheduler("threshold", 0.5)
+    assert cut(Proposal([1, 2, 3], confidence=torch.tensor([0.9, 0.4, 0.8])), rule) == 1
+    assert cut(Proposal([1, 2], confidence=torch.tensor([0.9, 0.6])), rule) == 2
     with pytest.raises(ValueError, match="confidence head"):
-        cut(Proposal([1]))
+        cut(Proposal([1]), rule)
     target, drafter = make_drafter("dspark")
     proposer = BlockDrafterProposer(drafter, (1, 2))
     session = CausalSession(target, (1, 2))

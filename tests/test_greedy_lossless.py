@@ -35,7 +35,7 @@ class ShiftedProposer:
     def start(self, context_ids, features):
         self.inner.start(context_ids, features)
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         right = self.inner.propose(context_ids, num_draft, sampler, generator)
         return Proposal([(t + 1) % self.vocab for t in right.tokens])
 
@@ -123,9 +123,18 @@ def test_num_draft_beyond_proposer_limit_is_refused(target_model):
         speculative_generate(CausalSession(target_model), [1, 2], NoProposer(), GREEDY, 5, 2)
 
 
-def test_scheduler_callback_truncates_blocks(target_model):
+class AtMostTwo:
+    """A stopping rule that verifies the first two drafted positions only."""
+
+    needs_confidence = False
+
+    def verify(self, confidences):
+        return len(confidences) <= 2
+
+
+def test_scheduler_rule_truncates_blocks(target_model):
     session = CausalSession(target_model)
-    got = speculative_generate(session, [5, 6, 7], ModelProposer(target_model), GREEDY, 20, 6, scheduler=lambda p: 2)
+    got = speculative_generate(session, [5, 6, 7], ModelProposer(target_model), GREEDY, 20, 6, scheduler=AtMostTwo())
     assert set(got.drafted) <= {0, 1, 2}
     assert got.output_ids == hf_greedy(target_model, [5, 6, 7], 20)
 
@@ -155,7 +164,7 @@ class FeatureRecorder:
         self.chunks = [features]
         self.inner.start(context_ids, None)
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         return self.inner.propose(context_ids, num_draft, sampler, generator)
 
     def commit(self, context_ids, features):

@@ -225,7 +225,7 @@ class MarkovDrafter:
     def start(self, context_ids, features):
         pass
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         tokens, probs, prev = [], [], context_ids[-1]
         for _ in range(num_draft):
             q = sampler.probs(self.table[prev][None])[0]
@@ -267,7 +267,7 @@ def expected_loop_joint(s: Sampler) -> np.ndarray:
 class ArgmaxDrafter(MarkovDrafter):
     """Deterministic drafting (q = None, i.e. one-hot), like prompt lookup."""
 
-    def propose(self, context_ids, num_draft, sampler, generator):
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
         tokens, prev = [], context_ids[-1]
         for _ in range(num_draft):
             prev = int(self.table[prev].argmax())

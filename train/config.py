@@ -55,6 +55,8 @@ class DrafterConfig:
     # Divide each target-feature channel by its RMS before fc (folded into fc at export). Off by default:
     # with AdamW the raw scale acts as a larger step for fc, and the scaled run learned slower (README).
     feature_scaling: bool = False
+    # Start the draft layers from the target's last layers and its final norm (block drafters only).
+    init_from_target: bool = False
 
 
 @dataclass

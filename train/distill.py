@@ -133,6 +133,10 @@ def build_drafter(cfg: DrafterConfig, target, examples, feature_layers) -> Block
         drafter = BlockDrafter(target.model.config, cfg.num_layers, len(feature_layers), cfg.block_size, mask_token,
                                cfg.mode, cfg.markov_rank, cfg.markov_head_type, vocab)
     drafter.copy_target_weights(target.model)
+    if cfg.init_from_target:
+        if cfg.mode == "eagle3":
+            raise ValueError("drafter.init_from_target applies to block drafters (dspark, dflash), not eagle3")
+        drafter.init_layers_from_target(target.model)
     return drafter
 
 

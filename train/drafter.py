@@ -187,6 +187,21 @@ class BlockDrafter(nn.Module):
         self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
         self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_to_target])
 
+    @torch.no_grad()
+    def init_layers_from_target(self, target_model) -> None:
+        """Start each draft layer from one of the target's last decoder layers (same widths), and the
+        final norm from the target's: the frozen LM head then starts reading states on the scale it was
+        trained on, instead of a random layer's. q/k norms stay at one (the target has none)."""
+        target_layers = target_model.model.layers[-len(self.layers):]
+        for draft, source in zip(self.layers, target_layers):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(draft.self_attn, name).weight.copy_(getattr(source.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(draft.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
+            draft.input_layernorm.weight.copy_(source.input_layernorm.weight)
+            draft.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+        self.norm.weight.copy_(target_model.model.norm.weight)
+
     def rotary_cos_sin(self, positions: torch.Tensor, like: torch.Tensor):
         cos, sin = self.rotary(like, positions[None])  # (1, S, D)
         return cos[0], sin[0]

@@ -1,0 +1,162 @@
+"""Speculative decoding of R concurrent requests: one target forward per step for all of them.
+
+Each request keeps what the batch-1 loop (decode/generate.py) keeps: its own context, its own
+proposer (a clone sharing the drafter's weights, so the drafter's KV rollback is per request), its
+own random generator, its own stop conditions. Per step every active request drafts, a scheduler
+picks each request's verify length, the target verifies all rows in one ragged forward
+(decode/batch_session.py), and each row is accepted and rolled back on its own. Requests join from
+a queue whenever fewer than `max_concurrency` are active (closed-loop load), and leave when done.
+Per request the random draws happen in the same order as in the batch-1 loop, so in float32 every
+request's output equals its batch-1 output (tests/test_batch.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.batch_session import BatchedSession
+from decode.generate import Generation, _greedy_step, _pick, _sampling_step, _stop_index
+from decode.proposer import Proposal
+from decode.sampling import Sampler
+from decode.scheduler import FixedRule, cut, load_schedule
+
+
+@dataclass
+class Request:
+    """One generation request: prompt, length limit and its own random stream."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Active:
+    index: int
+    request: Request
+    proposer: object
+    context: list[int]
+    result: Generation
+    start: float
+    proposal: Proposal | None = None
+    done: bool = False
+
+
+@dataclass
+class LoadPolicy:
+    """scheduler=load: the measured cost profile and the drafted length every request offers."""
+
+    profile: object
+    num_draft: int
+    admitted: list[int] = field(default_factory=list)  # per step: verify positions admitted, for reports
+
+
+def batched_generate(
+    model: torch.nn.Module,
+    requests: list[Request],
+    proposer,
+    sampler: Sampler,
+    num_draft: int,
+    eos_token_ids=(),
+    scheduler=None,
+    load: LoadPolicy | None = None,
+    max_concurrency: int = 8,
+    pad_id: int = 0,
+) -> list[Generation]:
+    """Generate every request (in the batch-1 loop's distribution); returns Generations in request order.
+
+    `proposer` is a template: each request gets `proposer.clone()`. `scheduler` is a per-request stopping
+    rule; `load` replaces it with DSpark's batch-wide admission over calibrated survival."""
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency={max_concurrency}; it must be >= 1")
+    if num_draft < 0 or (proposer.max_draft is not None and num_draft > proposer.max_draft):
+        raise ValueError(f"decode.num_draft={num_draft} but this proposer drafts at most {proposer.max_draft} tokens")
+    for request in requests:
+        if request.max_new_tokens < 1 or not request.prompt_ids:
+            raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
+    eos = set(eos_token_ids)
+    rule = scheduler or FixedRule()
+    accept_fn = _greedy_step if sampler.greedy else _sampling_step
+    session = BatchedSession(model, proposer.feature_layers, pad_id)
+    results: list[Generation | None] = [None] * len(requests)
+    queue = list(enumerate(requests))
+    active: list[_Active] = []
+
+    while queue or active:
+        while queue and len(active) < max_concurrency:  # join: prefill alone, merge as the last row
+            index, request = queue.pop(0)
+            started = time.perf_counter()
+            logits, features = session.add(list(request.prompt_ids))
+            first = _pick(sampler, logits[-1:], request.generator)
+            item = _Active(index, request, proposer.clone(), list(request.prompt_ids) + [first],
+                           Generation(output_ids=[first]), started)
+            item.result.ttft_s = time.perf_counter() - started
+            item.proposer.start(list(item.context), features)
+            item.done = first in eos or request.max_new_tokens == 1
+            active.append(item)
+        finished = [i for i, item in enumerate(active) if item.done]
+        if finished:
+            _leave(session, active, finished, results)
+            continue
+
+        for item in active:  # draft
+            room = item.request.max_new_tokens - len(item.result.output_ids)
+            limit = min(num_draft, room - 1)
+            item.proposal = item.proposer.propose(item.context, limit, sampler, item.request.generator,
+                                                  None if load else rule)
+            if load is None:
+                item.proposal = item.proposal.truncate(cut(item.proposal, rule))
+        if load is not None:
+            _admit(active, load, sampler)
+
+        rows = [[item.context[-1]] + item.proposal.tokens for item in active]
+        logits, features = session.forward(rows)  # (R, L, V)
+        counts = []
+        for r, item in enumerate(active):  # accept row by row with each request's own generator
+            k = len(item.proposal.tokens)
+            accepted, next_token = accept_fn(item.proposal, logits[r, : k + 1], sampler, item.request.generator)
+            counts.append(1 + accepted)
+            room = item.request.max_new_tokens - len(item.result.output_ids)
+            new_tokens = item.proposal.tokens[:accepted] + [next_token]
+            keep = _stop_index(new_tokens, eos, room)
+            item.result.output_ids.extend(new_tokens[:keep])
+            item.context.extend(new_tokens[:keep])
+            item.result.drafted.append(k)
+            item.result.accepted.append(accepted)
+            if item.proposal.confidence_logits is not None:
+                item.result.confidence_logits.append(item.proposal.confidence_logits.tolist())
+            item.done = any(t in eos for t in new_tokens[:keep]) or len(item.result.output_ids) >= item.request.max_new_tokens
+            if not item.done:
+                item.proposer.commit(item.context, None if features is None else features[r, : 1 + accepted])
+        session.keep(counts)
+        finished = [i for i, item in enumerate(active) if item.done]
+        if finished:
+            _leave(session, active, finished, results)
+    return results
+
+
+def _leave(session: BatchedSession, active: list[_Active], finished: list[int], results: list) -> None:
+    now = time.perf_counter()
+    for i in finished:
+        active[i].result.total_s = now - active[i].start
+        results[active[i].index] = active[i].result
+    session.remove(finished)
+    active[:] = [item for i, item in enumerate(active) if i not in set(finished)]
+
+
+def _admit(active: list[_Active], load: LoadPolicy, sampler: Sampler) -> None:
+    """DSpark's load-aware admission: cut each request's block to its admitted length."""
+    survival = []
+    for item in active:
+        if item.proposal.tokens and item.proposal.confidence is None:
+            raise ValueError("scheduler=load needs a proposer with a confidence head (proposer=drafter, dspark export)")
+        values = [] if item.proposal.confidence is None else item.proposal.confidence.float().cumprod(0).tolist()
+        survival.append(values)
+    draft_s = sum(load.profile.draft_s(len(values)) for values in survival)  # already spent: a constant here
+    lengths = load_schedule(survival, draft_s, lambda rows, length: load.profile.verify_s(rows, length, "batched"))
+    for item, length in zip(active, lengths):
+        item.proposal = item.proposal.truncate(length)
+    load.admitted.append(sum(lengths))

@@ -1,0 +1,146 @@
+"""The target over R concurrent sequences in one KV cache, with ragged lengths and per-row rollback.
+
+Rows share physical cache slots: every forward appends L slots to all rows (L = the longest row's
+input; shorter rows are padded). A per-row `valid` mask says which slots hold that row's tokens;
+rejected drafted positions and padding simply become invalid, and a 4D attention mask hides them,
+so rolling back one row never touches another. RoPE positions are each row's logical positions
+(its count of valid slots), so a row attends exactly as it would alone. Holes are squeezed out
+(`compact`) when they outnumber the longest row; requests join (prefilled alone, then merged) and
+leave (their row dropped) between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class BatchedSession:
+    """Append ragged rows of tokens to R sequences; keep a prefix of each row's new slots."""
+
+    def __init__(self, model: torch.nn.Module, feature_layers: tuple[int, ...] = (), pad_id: int = 0):
+        self.model, self.feature_layers, self.pad_id = model, tuple(feature_layers), pad_id
+        self.context_window = getattr(model.config, "max_position_embeddings", None)
+        self.cache: DynamicCache | None = None
+        self.valid = torch.zeros((0, 0), dtype=torch.bool, device=model.device)  # (R, S)
+        self.lengths: list[int] = []  # logical length (valid slots) per row
+        self._pending: list[int] | None = None  # input lengths of the last forward, until `keep`
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def _features(self, hidden_states) -> torch.Tensor | None:
+        if not self.feature_layers:
+            return None
+        return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)  # (B, T, L*H)
+
+    @torch.no_grad()
+    def add(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill a new row alone (exactly as batch 1), then merge it in as the last row.
+        Returns float32 logits of its last position (1, V) and its features (T, L*H)."""
+        if self.context_window and len(token_ids) > self.context_window:
+            raise ValueError(f"prompt of {len(token_ids)} tokens exceeds the model's context window ({self.context_window})")
+        cache = DynamicCache(config=self.model.config)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=bool(self.feature_layers))
+        features = self._features(out.hidden_states)
+        self._merge(cache, len(token_ids))
+        return out.logits[0].float(), None if features is None else features[0]
+
+    def _merge(self, cache: DynamicCache, length: int) -> None:
+        if self.cache is None or self.rows == 0:
+            self.cache = cache
+            self.valid = torch.ones((1, length), dtype=torch.bool, device=self.model.device)
+            self.lengths = [length]
+            return
+        slots = max(self.valid.shape[1], length)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_pad_slots(mine.keys, slots), _pad_slots(theirs.keys, slots)], dim=0)
+            mine.values = torch.cat([_pad_slots(mine.values, slots), _pad_slots(theirs.values, slots)], dim=0)
+        new_valid = torch.zeros((1, slots), dtype=torch.bool, device=self.valid.device)
+        new_valid[0, :length] = True
+        self.valid = torch.cat([_pad_valid(self.valid, slots), new_valid], dim=0)
+        self.lengths.append(length)
+
+    def remove(self, rows: list[int]) -> None:
+        """Drop finished rows (indices into the current rows)."""
+        keep = [r for r in range(self.rows) if r not in set(rows)]
+        index = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
+        if self.cache is not None:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.valid = self.valid[index]
+        self.lengths = [self.lengths[r] for r in keep]
+        if not keep:
+            self.cache, self.valid = None, torch.zeros((0, 0), dtype=torch.bool, device=self.valid.device)
+
+    @torch.no_grad()
+    def forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append rows[r] to sequence r (every row non-empty); float32 logits (R, L, V) and features
+        (R, L, L*H), where positions past a row's own length are padding to ignore."""
+        if len(rows) != self.rows or any(not row for row in rows):
+            raise ValueError(f"forward needs one non-empty token list per active row ({self.rows})")
+        width = max(len(row) for row in rows)
+        for r, row in enumerate(rows):
+            if self.context_window and self.lengths[r] + len(row) > self.context_window:
+                raise ValueError(f"row {r} would reach {self.lengths[r] + len(row)} tokens, past the context window "
+                                 f"({self.context_window}); lower decode.max_new_tokens")
+        device = self.model.device
+        input_ids = torch.tensor([row + [self.pad_id] * (width - len(row)) for row in rows], device=device)  # (R, L)
+        # Logical positions continue each row; padding keeps counting so the inputs look like one run.
+        position_ids = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(width, device=device)  # (R, L)
+        lengths = torch.tensor([len(row) for row in rows], device=device)
+        new_valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (R, L)
+        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()  # (L, L)
+        visible = torch.cat(
+            [self.valid[:, None, :].expand(-1, width, -1), causal[None] & new_valid[:, None, :]], dim=2
+        )  # (R, L, S + L)
+        # A padding query may see nothing valid among the new slots; it still sees the row's history,
+        # so no row of the mask is empty (an all-masked softmax row would be NaN).
+        dtype = self.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+        out = self.model(input_ids=input_ids, attention_mask=mask[:, None], position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=bool(self.feature_layers))
+        self.valid = torch.cat([self.valid, torch.zeros_like(new_valid)], dim=1)
+        self._pending = [len(row) for row in rows]
+        return out.logits.float(), self._features(out.hidden_states)
+
+    def keep(self, counts: list[int]) -> None:
+        """Of the last forward's new slots, row r keeps its first counts[r] (the rest are rolled back)."""
+        if self._pending is None:
+            raise RuntimeError("keep() follows a forward()")
+        width = max(self._pending)
+        start = self.valid.shape[1] - width
+        for r, count in enumerate(counts):
+            if not 0 <= count <= self._pending[r]:
+                raise ValueError(f"row {r} fed {self._pending[r]} tokens; cannot keep {count}")
+            self.valid[r, start : start + count] = True
+            self.lengths[r] += count
+        self._pending = None
+        if self.valid.shape[1] > 2 * max(self.lengths) + 64:
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the front (order kept) and drop the slots no row uses."""
+        slots = max(self.lengths)
+        # For each row: its valid slot indices, padded with 0 (masked anyway).
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :slots]  # (R, slots)
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        self.valid = torch.arange(slots, device=self.valid.device)[None, :] < torch.tensor(self.lengths, device=self.valid.device)[:, None]
+
+
+def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """(B, heads, S, D) -> (B, heads, slots, D) with zero slots appended."""
+    extra = slots - tensor.shape[2]
+    if extra == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], tensor.shape[1], extra, tensor.shape[3])], dim=2)
+
+
+def _pad_valid(valid: torch.Tensor, slots: int) -> torch.Tensor:
+    extra = slots - valid.shape[1]
+    return valid if extra == 0 else torch.cat([valid, valid.new_zeros(valid.shape[0], extra)], dim=1)

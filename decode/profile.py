@@ -1,0 +1,186 @@
+"""The cost profile the schedulers plan with, measured on this machine, cached by fingerprint.
+
+Two curves (DSpark's SPS(B)): the target's verify-step seconds as a function of the step's shape
+(rows × tokens per row, on the engine that will run it: `single` = the batch-1 session, `batched` =
+the ragged batched session), and the drafter's seconds as a function of drafted length (backbone
+pass plus per-position LM head / Markov / confidence steps). Measured once per fingerprint of the
+machine (CPU model, threads, torch), dtype, target and drafter, then read from
+~/.cache/specdraft/profiles/<hash>.json; the bench records which profile it used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from decode.batch_session import BatchedSession
+from decode.sampling import Sampler
+from decode.session import CausalSession
+
+CACHE_DIR = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "profiles"
+
+
+@dataclass
+class CostProfile:
+    """Measured seconds. verify[engine][str(rows)][length-1] = seconds for rows × length tokens;
+    draft[ℓ] = seconds to draft ℓ positions for one request (ℓ = 0: the backbone pass alone)."""
+
+    fingerprint: dict
+    verify: dict
+    draft: list[float]
+    context_length: int
+
+    def verify_s(self, rows: int, length: int, engine: str = "single") -> float:
+        """Seconds of a verify step of `rows` rows × `length` tokens (linear between measured row counts)."""
+        table = self.verify.get(engine) or self.verify["batched"]
+        measured = sorted(int(r) for r in table)
+        length = min(max(length, 1), len(table[str(measured[0])]))
+        if rows <= measured[0]:
+            return table[str(measured[0])][length - 1] * rows / measured[0]
+        for low, high in zip(measured, measured[1:]):
+            if rows <= high:
+                w = (rows - low) / (high - low)
+                return (1 - w) * table[str(low)][length - 1] + w * table[str(high)][length - 1]
+        top = measured[-1]  # beyond the measured range: proportional to rows
+        return table[str(top)][length - 1] * rows / top
+
+    def draft_s(self, length: int) -> float:
+        return self.draft[min(max(length, 0), len(self.draft) - 1)]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def machine_fingerprint() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+
+
+def profile_fingerprint(target_name: str, target_model, drafter_path: str | None, dtype: torch.dtype,
+                        block_size: int, batch_sizes: list[int], context_length: int) -> dict:
+    """What the profile's numbers depend on."""
+    drafter = None
+    if drafter_path:
+        config = Path(drafter_path) / "config.json"
+        drafter = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else str(drafter_path)
+    return {
+        **machine_fingerprint(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "target": target_name,
+        "target_config": hashlib.sha256(target_model.config.to_json_string().encode()).hexdigest()[:16],
+        "drafter": drafter,
+        "block_size": block_size,
+        "batch_sizes": list(batch_sizes),
+        "context_length": context_length,
+    }
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int], context_length: int,
+                   repeats: int) -> dict:
+    """Verify-step seconds on both engines: single (rows = 1) and batched (each of batch_sizes)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    single = CausalSession(model, feature_layers)
+    single.forward(tokens(context_length))
+
+    def one(length):
+        single.forward(tokens(length))
+        single.rollback(context_length)
+
+    table = {"single": {"1": [_median_seconds(lambda: one(n), repeats) for n in range(1, max_length + 1)]}, "batched": {}}
+    for rows in batch_sizes:
+        session = BatchedSession(model, feature_layers)
+        for _ in range(rows):
+            session.add(tokens(context_length))
+        feeds = [tokens(max_length) for _ in range(rows)]
+
+        def step(length):
+            session.forward([feed[:length] for feed in feeds])
+            session.keep([0] * rows)
+
+        table["batched"][str(rows)] = [_median_seconds(lambda: step(n), repeats) for n in range(1, max_length + 1)]
+    return table
+
+
+def measure_draft(proposer, model, context_length: int, max_draft: int, repeats: int) -> list[float]:
+    """Seconds to draft ℓ = 0..max_draft positions for one request at a context of `context_length`."""
+    if proposer is None or max_draft == 0:
+        return [0.0] * (max_draft + 1)
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, model.config.vocab_size, (context_length,), generator=generator).tolist()
+    session = CausalSession(model, proposer.feature_layers)
+    _, features = session.forward(context)
+    proposer = proposer.clone()
+    proposer.start(context, features)
+    sampler = Sampler(1.0)  # sampling costs at least what greedy does (it also builds q)
+
+    class StopAfter:
+        needs_confidence = False
+
+        def __init__(self, length):
+            self.length = length
+
+        def verify(self, confidences):
+            return len(confidences) <= self.length
+
+    def draft(length):
+        # ℓ = 0 still runs the backbone pass (c_1 decides it), so draft one position and stop before sampling it.
+        proposer.propose(context, max(length, 1), sampler, generator, StopAfter(length))
+
+    return [_median_seconds(lambda: draft(n), repeats) for n in range(0, max_draft + 1)]
+
+
+def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,
+                    batch_sizes: list[int], context_length: int = 256, repeats: int = 3,
+                    cache_dir: Path = CACHE_DIR) -> tuple[CostProfile, Path, bool]:
+    """The profile for this fingerprint: from the cache, else measured now and cached (atomically).
+    Returns (profile, its file, whether it was measured now)."""
+    fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes, context_length)
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"{key}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("fingerprint") == fingerprint:
+                return CostProfile(**data), path, False
+        except (OSError, ValueError, TypeError):
+            pass  # unreadable or stale: measure again and overwrite
+    verify = measure_verify(model, proposer.feature_layers if proposer else (), block_size + 1, batch_sizes,
+                            context_length, repeats)
+    draft = measure_draft(proposer, model, context_length, block_size, repeats)
+    profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1))
+    os.replace(tmp, path)
+    return profile, path, True

@@ -1,0 +1,158 @@
+"""Schedulers stay lossless: every rule decides position j from c_1..c_j only (goodness-of-fit at T=1,
+exact at T=0), and a rule that looks ahead (DSpark App. A) biases the output, which the same test catches."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from decode.batch_generate import LoadPolicy, Request, batched_generate
+from decode.generate import speculative_generate
+from decode.proposer import BlockDrafterProposer, Proposal
+from decode.sampling import Sampler, sample
+from decode.scheduler import CostRule, FixedRule, ThresholdRule, cut, expected_tokens, load_schedule
+from tests.conftest import tiny_llama
+from tests.test_batch import synthetic_profile
+from tests.test_sampling_lossless import (
+    START,
+    VOCAB,
+    MarkovSession,
+    expected_loop_joint,
+    goodness_of_fit,
+    markov_tables,
+)
+
+CONFIDENCE = torch.linspace(0.05, 0.95, VOCAB)[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))]
+
+
+class ConfidentDrafter:
+    """A Markov drafter whose confidence of position j depends on x_{j-1}, as DSpark's does; it asks
+    the rule before sampling each position."""
+
+    max_draft = None
+    feature_layers = ()
+
+    def __init__(self, table):
+        self.table = table
+
+    def clone(self):
+        return self
+
+    def start(self, context_ids, features):
+        pass
+
+    def commit(self, context_ids, features):
+        pass
+
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
+        tokens, probs, confidence, prev = [], [], [], context_ids[-1]
+        for _ in range(num_draft):
+            confidence.append(float(CONFIDENCE[prev]))
+            if rule is not None and not rule.verify(confidence):
+                confidence.pop()
+                break
+            q = sampler.probs(self.table[prev][None])[0]
+            prev = int(sample(q[None], generator))
+            tokens.append(prev)
+            probs.append(q)
+        return Proposal(tokens, torch.stack(probs) if probs else None, torch.tensor(confidence) if confidence else None)
+
+
+class LookaheadDrafter(ConfidentDrafter):
+    """The wrong rule of DSpark's App. A: verify x_j only if c_{j+1} (a function of x_j) is high."""
+
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
+        full = super().propose(context_ids, num_draft, sampler, generator)
+        for j, token in enumerate(full.tokens):
+            if float(CONFIDENCE[token]) < 0.5:
+                return full.truncate(j)
+        return full
+
+
+def loop_samples(proposer, rule, n=3000, num_draft=2, seed=11):
+    session = MarkovSession(markov_tables()[0])
+    gen = torch.Generator().manual_seed(seed)
+    s = Sampler(temperature=1.0)
+    return np.array([speculative_generate(session, [START], proposer, s, 3 + num_draft, num_draft, scheduler=rule,
+                                          generator=gen).output_ids[:3] for _ in range(n)])
+
+
+RULES = {
+    "fixed": FixedRule(),
+    "threshold": ThresholdRule(0.5),
+    "cost": CostRule(synthetic_profile(length=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_every_rule_keeps_sampling_lossless(name):
+    samples = loop_samples(ConfidentDrafter(markov_tables()[1]), RULES[name])
+    assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
+
+
+def test_lookahead_rule_biases_the_output_and_the_test_catches_it():
+    samples = loop_samples(LookaheadDrafter(markov_tables()[1]), FixedRule())
+    assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) < 1e-6
+
+
+def test_threshold_and_cost_rules_really_cut():
+    proposal = Proposal([1, 2, 3], confidence=torch.tensor([0.9, 0.3, 0.9]))
+    assert cut(proposal, ThresholdRule(0.5)) == 1
+    # Verify costs 10 ms + 2 ms per token, drafting 3 ms + 1 ms per position: a position is worth
+    # verifying when its survival adds more than its cost.
+    rule = CostRule(synthetic_profile(length=4))
+    assert cut(Proposal([1, 2, 3], confidence=torch.tensor([0.99, 0.99, 0.99])), rule) == 3
+    assert cut(Proposal([1, 2, 3], confidence=torch.tensor([0.01, 0.99, 0.99])), rule) == 0
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1.75)
+
+
+def test_load_schedule_admits_by_survival_and_stops_at_first_non_improvement():
+    verify = lambda rows, length: 0.01 + 0.002 * rows * length  # noqa: E731
+    # (0,1) then (0,2) widen the padded step and pay for it; (1,1) and (1,2) fit inside the width
+    # request 0 already pays for, so they are admitted; (0,3) widens again and does not pay off.
+    lengths = load_schedule([[0.9, 0.8, 0.1], [0.2, 0.1, 0.05]], 0.0, verify)
+    assert lengths == [2, 2]
+    # Nothing confident: plain decoding for everyone.
+    assert load_schedule([[0.01], [0.02]], 0.0, verify) == [0, 0]
+    # Free verification: everything is admitted.
+    assert load_schedule([[0.5, 0.2], [0.3]], 0.0, lambda r, n: 1.0) == [2, 1]
+
+
+def enumerated_joint(model, prompt, sampler, length=2) -> np.ndarray:
+    """The target's own distribution of its first `length` tokens, enumerated with the model."""
+    vocab = model.config.vocab_size
+    joint = np.zeros((vocab,) * length)
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=length):
+            logits = model(torch.tensor([prompt + list(seq[:-1])])).logits[0, -length:].float()  # (length, V)
+            probs = sampler.probs(logits)
+            joint[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
+    return joint.ravel() / joint.sum()
+
+
+def test_load_scheduler_keeps_batched_sampling_lossless():
+    """Requests decoded together under scheduler=load at T=1: each request's first two tokens follow
+    the target's distribution (a small vocabulary lets us enumerate it)."""
+    from train.drafter import BlockDrafter
+
+    target = tiny_llama(0, vocab_size=VOCAB)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # a spread-out distribution: every cell gets counts
+    torch.manual_seed(3)
+    drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=3, mask_token_id=1,
+                           markov_rank=4).eval()
+    drafter.copy_target_weights(target)
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    prompt, s = [2, 5, 3], Sampler(temperature=1.0)
+    load = LoadPolicy(synthetic_profile(rows=(1, 2, 4, 8), length=4, per_token=0.0002), 3)
+    samples = []
+    for batch in range(300):
+        requests = [Request(prompt, 4, torch.Generator().manual_seed(1000 * batch + i)) for i in range(8)]
+        for gen in batched_generate(target, requests, proposer, s, 3, (), None, load, 8):
+            samples.append(gen.output_ids[:2])
+    drafted = {d for d in load.admitted}
+    assert len(drafted) > 1  # the scheduler really varied the admitted positions
+    assert goodness_of_fit(np.array(samples), enumerated_joint(target, prompt, s)) > 1e-4
