@@ -18,6 +18,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
@@ -25,6 +26,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
+
+BENCH_MODES = ("single", "sweep", "load", "calibrate")
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
 from decode.proposer import BlockDrafterProposer, Eagle3Proposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
@@ -106,18 +109,47 @@ def eos_ids(target) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def run_bench(cfg: BenchConfig) -> dict:
-    """Run the benchmark described by `cfg`; write results.json and samples.jsonl under cfg.out_dir."""
-    sampler = Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
-    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts)
+@dataclass
+class BenchSetup:
+    """What every bench mode shares: target, proposer, prompts and decoding settings."""
+
+    cfg: BenchConfig
+    sampler: Sampler
+    target: object
+    proposer: object
+    baseline_name: str | None
+    baseline_kwargs: dict
+    prompts: list[dict]
+    encoded: list[list[int]]
+    stop: list[int]
+    pad: int
+    calibration: str | None
+
+    def profile(self):
+        """The cost profile the cost/load schedulers plan with (measured once, cached)."""
+        from decode.profile import CostProfile, load_or_measure
+
+        cfg = self.cfg
+        if cfg.scheduler.profile:
+            return CostProfile(**json.loads(Path(cfg.scheduler.profile).read_text())), cfg.scheduler.profile, False
+        block = self.proposer.max_draft or cfg.decode.num_draft
+        sizes = sorted(set(cfg.bench.concurrency) | {1})
+        return load_or_measure(cfg.target.name_or_path, self.target.model, self.proposer, cfg.proposer.path, block,
+                               sizes, cfg.scheduler.profile_context)
+
+
+def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
+    sampler = sampler or Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
+    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt)
+    if not prompts:
+        raise ValueError(f"no prompts: data={cfg.data.name} from index {cfg.bench.first_prompt} is empty")
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
-    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold)  # TODO profile
+    calibration = attach_calibration(cfg, proposer)
     strip_generation_defaults(target.model)
-    session = CausalSession(target.model, proposer.feature_layers)
     stop = eos_ids(target)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
-    window = session.context_window
+    window = getattr(target.model.config, "max_position_embeddings", None)
     encoded = []
     for item in prompts:
         ids = chat_prompt_ids(target.tokenizer, item["prompt"])
@@ -128,6 +160,44 @@ def run_bench(cfg: BenchConfig) -> dict:
                 f"it exceeds the target's context of {window} tokens; drop it or lower decode.max_new_tokens"
             )
         encoded.append(ids)
+    return BenchSetup(cfg, sampler, target, proposer, baseline_name, baseline_kwargs, prompts, encoded, stop, pad,
+                      calibration)
+
+
+def attach_calibration(cfg: BenchConfig, proposer) -> str | None:
+    """Give a block drafter its stored confidence temperatures (bench.calibration); returns the file used."""
+    from decode.calibrate import CALIBRATION_FILE, read_calibration
+
+    if not isinstance(proposer, BlockDrafterProposer) or cfg.bench.calibration == "none" or cfg.bench.mode == "calibrate":
+        return None
+    if cfg.bench.calibration == "auto":
+        path = Path(cfg.proposer.path) / CALIBRATION_FILE
+    else:
+        path = Path(cfg.bench.calibration)
+        if not path.is_file():
+            raise FileNotFoundError(f"bench.calibration={path} does not exist; use auto, none or a calibration.json")
+    proposer.calibration = read_calibration(path)
+    return str(path) if proposer.calibration else None
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark described by `cfg` (bench.mode); write results.json (and more) under cfg.out_dir."""
+    if cfg.bench.mode not in BENCH_MODES:
+        raise ValueError(f"bench.mode={cfg.bench.mode!r}; choose one of {list(BENCH_MODES)}")
+    bench = setup_bench(cfg)
+    if cfg.bench.mode != "single":
+        from decode import bench_modes
+
+        return getattr(bench_modes, f"run_{cfg.bench.mode}")(bench)
+    cfg, sampler, target, proposer = bench.cfg, bench.sampler, bench.target, bench.proposer
+    profile_info = None
+    profile = None
+    if cfg.scheduler.name in ("cost", "load"):
+        profile, profile_path, measured = bench.profile()
+        profile_info = {"path": str(profile_path), "measured_now": measured}
+    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold, profile)
+    session = CausalSession(target.model, proposer.feature_layers)
+    stop, pad, encoded = bench.stop, bench.pad, bench.encoded
 
     def run(kind: str, index: int, ids: list[int]) -> Generation:
         seed = cfg.bench.seed + index
@@ -136,17 +206,25 @@ def run_bench(cfg: BenchConfig) -> dict:
         common = (sampler, cfg.decode.max_new_tokens)
         if kind == "plain":
             return speculative_generate(session, ids, NoProposer(), *common, 0, stop, generator=generator)
+        if kind == "spec" and cfg.scheduler.name == "load":  # the batched engine, one request at a time
+            from decode.batch_generate import LoadPolicy, Request, batched_generate
+
+            request = Request(ids, cfg.decode.max_new_tokens, generator)
+            return batched_generate(target.model, [request], proposer, sampler, cfg.decode.num_draft, stop, None,
+                                    LoadPolicy(profile, cfg.decode.num_draft), 1, pad)[0]
         if kind == "spec":
             return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, scheduler, generator)
         if kind == "hf_generate":
             return hf_generate(target.model, ids, *common, stop, pad)
-        return hf_generate(target.model, ids, *common, stop, pad, **baseline_kwargs)
+        return hf_generate(target.model, ids, *common, stop, pad, **bench.baseline_kwargs)
 
     kinds = ["plain", "spec"] + (["hf_generate"] if cfg.bench.baselines else [])
-    kinds += [baseline_name] if cfg.bench.baselines and baseline_name else []
+    kinds += [bench.baseline_name] if cfg.bench.baselines and bench.baseline_name else []
     results = run_interleaved(kinds, run, encoded)
-    summary = summarize(cfg, sampler, target, results, baseline_name)
-    write_outputs(Path(cfg.out_dir), summary, prompts, encoded, results["spec"], target.tokenizer)
+    summary = summarize(cfg, sampler, target, results, bench.baseline_name)
+    summary["calibration"] = bench.calibration
+    summary["profile"] = profile_info
+    write_outputs(Path(cfg.out_dir), summary, bench.prompts, encoded, results["spec"], target.tokenizer)
     return summary
 
 
@@ -253,6 +331,11 @@ register_configs()
 def main(config) -> None:
     cfg: BenchConfig = OmegaConf.to_object(config)
     summary = run_bench(cfg)
+    if cfg.bench.mode != "single":
+        print(f"\nspecdraft bench — mode {cfg.bench.mode}, {cfg.proposer.name} on {cfg.data.name}, {cfg.target.dtype}")
+        print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
+        print(f"  results: {Path(cfg.out_dir) / 'results.json'}")
+        return
     print(f"\nspecdraft bench — {cfg.proposer.name} on {cfg.data.name}, {cfg.target.dtype}, T={cfg.decode.temperature}")
     print(format_table(summary))
     print(f"  results: {Path(cfg.out_dir) / 'results.json'}")

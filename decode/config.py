@@ -41,17 +41,35 @@ class DecodeConfig:
 
 @dataclass
 class SchedulerConfig:
-    """fixed (decode.num_draft every step) or threshold (cut at the first confidence below scheduler.threshold)."""
+    """fixed (decode.num_draft every step), threshold (cut at the first confidence below scheduler.threshold),
+    cost (extend while expected tokens/s improves, on the measured cost profile) or load (DSpark's
+    load-aware admission across concurrent requests)."""
 
     name: str = "fixed"
     threshold: float = 0.5
+    profile: str | None = None  # a cost-profile JSON to use; None: measured once per machine/dtype/models, cached
+    profile_context: int = 256  # context length the profile is measured at
+
+
+@dataclass
+class CalibrateSettings:
+    """bench.mode=calibrate: held-out decoding that fits the confidence temperatures stored with the export."""
+
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # buckets: 0 -> greedy, >0 -> sampling
 
 
 @dataclass
 class BenchSettings:
-    num_prompts: int | None = 10  # first N prompts in file order (None: all)
+    mode: str = "single"  # single | sweep | load | calibrate
+    num_prompts: int | None = 10  # N prompts in file order (None: all)
+    first_prompt: int = 0  # skip this many (calibrate on prompts the benchmark does not use)
     seed: int = 0
     baselines: bool = True  # also run HF generate and HF's own speculative baseline per prompt
+    # Confidence calibration of a dspark export: auto = EXPORT/calibration.json when present; none; or a file.
+    calibration: str = "auto"
+    sweep_lengths: list[int] | None = None  # mode=sweep: fixed verify lengths (None: 1..block size)
+    sweep_thresholds: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7, 0.9])
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # mode=load
 
 
 @dataclass
@@ -62,6 +80,7 @@ class BenchConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     bench: BenchSettings = field(default_factory=BenchSettings)
+    calibrate: CalibrateSettings = field(default_factory=CalibrateSettings)
     out_dir: str = "${hydra:runtime.output_dir}"
 
 

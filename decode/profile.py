@@ -162,12 +162,12 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
 
 def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,
                     batch_sizes: list[int], context_length: int = 256, repeats: int = 3,
-                    cache_dir: Path = CACHE_DIR) -> tuple[CostProfile, Path, bool]:
+                    cache_dir: Path | None = None) -> tuple[CostProfile, Path, bool]:
     """The profile for this fingerprint: from the cache, else measured now and cached (atomically).
     Returns (profile, its file, whether it was measured now)."""
     fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes, context_length)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
-    path = Path(cache_dir) / f"{key}.json"
+    path = Path(cache_dir or CACHE_DIR) / f"{key}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text())

@@ -97,8 +97,8 @@ def read_jsonl_prompts(path: str | Path) -> list[dict]:
     return prompts
 
 
-def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None) -> list[dict]:
-    """Benchmark prompts `[{id, prompt}]` from a named source, first `num_prompts` in file order."""
+def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None, first: int = 0) -> list[dict]:
+    """Benchmark prompts `[{id, prompt}]` from a named source: `num_prompts` in file order from index `first`."""
     if source == "mtbench":
         prompts = _mtbench_prompts()
     elif source == "sharegpt_heldout":
@@ -109,6 +109,7 @@ def load_prompts(source: str, path: str | None = None, num_prompts: int | None =
         prompts = read_jsonl_prompts(path)
     else:
         raise ValueError(f"unknown data source {source!r}; choose one of {list(PROMPT_SOURCES)}")
+    prompts = prompts[first:]
     return prompts if num_prompts is None else prompts[:num_prompts]
 
 

@@ -1,0 +1,197 @@
+"""The bench's other modes: `bench.mode=sweep | load | calibrate` (see decode/bench.py for `single`).
+
+sweep: per prompt, interleaved, plain decoding and speculative decoding at every fixed verify length,
+every threshold and the cost scheduler: tokens/s, τ and speedup per setting, and the best fixed length.
+load: closed-loop load at each concurrency C (C requests in flight, the next joins when one leaves):
+plain, fixed-length and load-scheduled batched decoding; per-request and total tokens/s, and a PNG.
+calibrate: held-out decoding at each temperature bucket; fits the confidence temperatures, stores
+them with the export, reports ECE/Brier/AUROC before and after, and draws a reliability diagram.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from decode.batch_generate import LoadPolicy, Request, batched_generate
+from decode.bench import _atomic_write, run_interleaved
+from decode.generate import speculative_generate
+from decode.metrics import acceptance_stats, timing_stats
+from decode.proposer import NoProposer
+from decode.sampling import Sampler
+from decode.scheduler import CostRule, FixedRule, ThresholdRule
+from decode.session import CausalSession
+
+
+def _config(bench) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(bench.cfg), resolve=True)
+
+
+def _write(bench, name: str, summary: dict) -> dict:
+    out = Path(bench.cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / name, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def run_sweep(bench) -> dict:
+    """Fixed lengths, thresholds and the cost scheduler on the same prompts, interleaved."""
+    cfg, sampler, proposer = bench.cfg, bench.sampler, bench.proposer
+    block = proposer.max_draft or cfg.decode.num_draft
+    lengths = cfg.bench.sweep_lengths or list(range(1, block + 1))
+    rules = {f"fixed_{k}": (k, FixedRule()) for k in lengths}
+    has_confidence = getattr(getattr(proposer, "drafter", None), "confidence_head", None) is not None
+    profile_info = None
+    if has_confidence:
+        rules.update({f"threshold_{t:g}": (block, ThresholdRule(t)) for t in cfg.bench.sweep_thresholds})
+        profile, path, measured = bench.profile()
+        rules["cost"] = (block, CostRule(profile))
+        profile_info = {"path": str(path), "measured_now": measured}
+    session = CausalSession(bench.target.model, proposer.feature_layers)
+
+    def run(kind, index, ids):
+        generator = torch.Generator().manual_seed(cfg.bench.seed + index)
+        if kind == "plain":
+            return speculative_generate(session, ids, NoProposer(), sampler, cfg.decode.max_new_tokens, 0, bench.stop,
+                                        generator=generator)
+        num_draft, rule = rules[kind]
+        return speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, num_draft, bench.stop,
+                                    rule, generator)
+
+    results = run_interleaved(["plain", *rules], run, bench.encoded)
+    plain = timing_stats(results["plain"])["tokens_per_s"]
+    rows = {}
+    for kind in rules:
+        stats, timing = acceptance_stats(results[kind]), timing_stats(results[kind])
+        rows[kind] = {"tau": stats["tau"], "mean_draft_len": stats["mean_draft_len"], "tokens_per_s": timing["tokens_per_s"],
+                      "speedup_vs_plain": timing["tokens_per_s"] / plain}
+    fixed = {k: v for k, v in rows.items() if k.startswith("fixed_")}
+    best_fixed = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+    summary = {"mode": "sweep", "plain_tokens_per_s": plain, "settings": rows, "best_fixed": best_fixed,
+               "num_prompts": len(bench.encoded), "calibration": bench.calibration, "profile": profile_info}
+    if "cost" in rows:
+        summary["cost_vs_best_fixed"] = rows["cost"]["tokens_per_s"] / fixed[best_fixed]["tokens_per_s"]
+    summary["config"] = _config(bench)
+    return _write(bench, "results.json", summary)
+
+
+def _closed_loop(bench, concurrency: int, proposer, num_draft: int, load: LoadPolicy | None) -> dict:
+    cfg = bench.cfg
+    requests = [Request(ids, cfg.decode.max_new_tokens, torch.Generator().manual_seed(cfg.bench.seed + i))
+                for i, ids in enumerate(bench.encoded)]
+    start = time.perf_counter()
+    gens = batched_generate(bench.target.model, requests, proposer, bench.sampler, num_draft, bench.stop, None, load,
+                            concurrency, bench.pad)
+    wall = time.perf_counter() - start
+    tokens = sum(len(g.output_ids) for g in gens)
+    per_request = [len(g.output_ids) / g.total_s for g in gens if g.total_s > 0]
+    return {
+        "total_tokens_per_s": tokens / wall,
+        "per_request_tokens_per_s": sum(per_request) / len(per_request),
+        "tau": acceptance_stats(gens)["tau"] if num_draft else None,
+        "tokens": tokens,
+        "seconds": wall,
+        "outputs": [g.output_ids for g in gens],
+    }
+
+
+def run_load(bench) -> dict:
+    """Plain, fixed and load-scheduled batched decoding at each concurrency."""
+    cfg = bench.cfg
+    profile, path, measured = bench.profile()
+    num_draft = cfg.decode.num_draft
+    # Warm-up: first-call allocations stay out of the first measurement.
+    warm = Request(bench.encoded[0][:16], 4)
+    batched_generate(bench.target.model, [warm], bench.proposer, bench.sampler, num_draft, bench.stop, max_concurrency=1)
+    table = []
+    for concurrency in cfg.bench.concurrency:
+        row = {"concurrency": concurrency}
+        load = LoadPolicy(profile, num_draft)
+        # Rotate the order per concurrency so no method always runs first.
+        methods = [("plain", NoProposer(), 0, None), ("fixed", bench.proposer, num_draft, None),
+                   ("scheduled", bench.proposer, num_draft, load)]
+        shift = len(table) % len(methods)
+        for name, proposer, k, policy in methods[shift:] + methods[:shift]:
+            row[name] = _closed_loop(bench, concurrency, proposer, k, policy)
+        greedy_same = None
+        if bench.sampler.greedy:
+            greedy_same = row["scheduled"]["outputs"] == row["plain"]["outputs"] == row["fixed"]["outputs"]
+        for name in ("plain", "fixed", "scheduled"):
+            row[name].pop("outputs")
+        row["outputs_equal_at_T0"] = greedy_same
+        row["mean_admitted_per_step"] = sum(load.admitted) / len(load.admitted) if load.admitted else None
+        table.append(row)
+        print(f"  C={concurrency:<3} total tok/s plain {row['plain']['total_tokens_per_s']:.1f} "
+              f"fixed {row['fixed']['total_tokens_per_s']:.1f} scheduled {row['scheduled']['total_tokens_per_s']:.1f}")
+    summary = {"mode": "load", "num_prompts": len(bench.encoded), "num_draft": num_draft, "table": table,
+               "profile": {"path": str(path), "measured_now": measured}, "calibration": bench.calibration,
+               "config": _config(bench)}
+    _write(bench, "results.json", summary)
+    plot_load(table, Path(cfg.out_dir) / "load_sweep.png")
+    return summary
+
+
+def plot_load(table: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [row["concurrency"] for row in table]
+    for name in ("plain", "fixed", "scheduled"):
+        axes[0].plot(xs, [row[name]["total_tokens_per_s"] for row in table], marker="o", label=name)
+        axes[1].plot(xs, [row[name]["per_request_tokens_per_s"] for row in table], marker="o", label=name)
+    axes[0].set(title="total tokens/s", xlabel="concurrent requests", xscale="log")
+    axes[1].set(title="per-request tokens/s", xlabel="concurrent requests", xscale="log")
+    for ax in axes:
+        ax.legend()
+        ax.set_xticks(xs, [str(x) for x in xs])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_calibrate(bench) -> dict:
+    """Decode held-out prompts with every position verified, per temperature bucket; fit on half the
+    prompts, report on the other half, store the temperatures in the export."""
+    from decode.calibrate import fit_bucket, plot_reliability, write_calibration
+
+    cfg, proposer = bench.cfg, bench.proposer
+    if getattr(getattr(proposer, "drafter", None), "confidence_head", None) is None:
+        raise ValueError("bench.mode=calibrate needs proposer=drafter with a dspark export (it has a confidence head)")
+    if len(bench.encoded) < 2:
+        raise ValueError("bench.mode=calibrate needs at least 2 prompts (half fit the temperatures, half evaluate them)")
+    block = proposer.max_draft
+    session = CausalSession(bench.target.model, proposer.feature_layers)
+    buckets = {}
+    for temperature in cfg.calibrate.temperatures:
+        name = "greedy" if temperature == 0 else "sampling"
+        if name in buckets:
+            raise ValueError(f"calibrate.temperatures={list(cfg.calibrate.temperatures)}: one T=0 and one T>0 at most")
+        sampler = Sampler(temperature, cfg.decode.top_k, cfg.decode.top_p)
+        gens = []
+        for index, ids in enumerate(bench.encoded):
+            generator = torch.Generator().manual_seed(cfg.bench.seed + index)
+            gens.append(speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, block,
+                                             bench.stop, FixedRule(), generator))
+        buckets[name] = fit_bucket(gens[0::2], gens[1::2], block)
+        buckets[name]["temperature"] = temperature
+        buckets[name]["tau"] = acceptance_stats(gens)["tau"]
+    meta = {"data": cfg.data.name, "first_prompt": cfg.bench.first_prompt, "num_prompts": len(bench.encoded),
+            "max_new_tokens": cfg.decode.max_new_tokens, "dtype": cfg.target.dtype,
+            "temperatures": {name: bucket["temperature"] for name, bucket in buckets.items()}}
+    path = write_calibration(Path(cfg.proposer.path), buckets, meta)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot = plot_reliability(buckets, out / "reliability.png")
+    summary = {"mode": "calibrate", "calibration_path": str(path), "reliability_png": str(plot), **meta,
+               "buckets": {name: {k: v for k, v in bucket.items() if k != "_eval"} for name, bucket in buckets.items()},
+               "config": _config(bench)}
+    return _write(bench, "results.json", summary)

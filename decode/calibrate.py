@@ -1,0 +1,119 @@
+"""Calibrating a drafter's confidence head on held-out decoding, stored with the export.
+
+Data: real verify steps. Each step drafted k positions with raw confidence logits z_1..z_k and
+accepted n of them; position j "survived" when n >= j. Steps from half of the prompts fit the
+per-position temperatures (decode/calibration.py), the other half measure ECE/Brier/AUROC before
+and after, so the reported gain is out of sample. Greedy and sampled decoding draft different
+tokens and survive by different rules, so each temperature bucket gets its own temperatures:
+"greedy" (T = 0) and "sampling" (fitted at the sampling temperature given, applied to every T > 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from decode.calibration import calibration_report, fit_sequential_temperatures
+from decode.generate import Generation
+
+CALIBRATION_FILE = "calibration.json"
+
+
+def survival_arrays(generations: list[Generation], positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(z, survived, drafted), each (steps, positions), from the steps that recorded confidences."""
+    rows_z, rows_survived, rows_drafted = [], [], []
+    for gen in generations:
+        # confidence_logits has one entry per step that drafted with a confidence head, in step order.
+        steps = [(d, a) for d, a in zip(gen.drafted, gen.accepted) if d > 0]
+        for (drafted, accepted), z in zip(steps, gen.confidence_logits):
+            padded = list(z[:positions]) + [0.0] * (positions - min(len(z), positions))
+            rows_z.append(padded)
+            rows_drafted.append([j < drafted for j in range(positions)])
+            rows_survived.append([j < accepted for j in range(positions)])
+    if not rows_z:
+        raise ValueError("no verify step recorded confidences: calibration needs a dspark export (confidence head)")
+    return torch.tensor(rows_z), torch.tensor(rows_survived), torch.tensor(rows_drafted)
+
+
+def fit_bucket(fit_gens: list[Generation], eval_gens: list[Generation], positions: int) -> dict:
+    """Temperatures from one half, the before/after report from the other."""
+    z, survived, drafted = survival_arrays(fit_gens, positions)
+    temperatures = fit_sequential_temperatures(z, survived, drafted)
+    ez, esurvived, edrafted = survival_arrays(eval_gens, positions)
+    return {
+        "temperatures": temperatures.tolist(),
+        "fit_steps": int(z.shape[0]),
+        "eval_steps": int(ez.shape[0]),
+        "report": calibration_report(ez, esurvived, edrafted, temperatures),
+        "_eval": (ez, esurvived, edrafted, temperatures),
+    }
+
+
+def write_calibration(export_dir: Path, buckets: dict, meta: dict) -> Path:
+    """EXPORT/calibration.json (atomic): {"greedy": [T_j], "sampling": [T_j], "meta": ..., "report": ...}."""
+    data = {name: bucket["temperatures"] for name, bucket in buckets.items()}
+    data["report"] = {name: bucket["report"] for name, bucket in buckets.items()}
+    data["meta"] = meta
+    path = Path(export_dir) / CALIBRATION_FILE
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def read_calibration(location: str | Path) -> dict | None:
+    """The per-bucket temperatures in a calibration file (or an export folder's), None if there is none."""
+    path = Path(location)
+    path = path / CALIBRATION_FILE if path.is_dir() else path
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        buckets = {name: [float(t) for t in data[name]] for name in ("greedy", "sampling") if name in data}
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{path} is corrupt ({type(err).__name__}: {err}); delete it or rerun bench.mode=calibrate") from None
+    if any(t <= 0 for temps in buckets.values() for t in temps):
+        raise ValueError(f"{path} holds a non-positive temperature; delete it or rerun bench.mode=calibrate")
+    return buckets
+
+
+def plot_reliability(buckets: dict, path: Path, bins: int = 10) -> Path:
+    """Reliability diagram of a_j (all positions pooled) before/after, and ECE per position, per bucket."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from decode.calibration import cumulative_survival
+
+    fig, axes = plt.subplots(len(buckets), 2, figsize=(10, 4 * len(buckets)), squeeze=False)
+    for row, (name, bucket) in enumerate(buckets.items()):
+        z, survived, drafted, temperatures = bucket["_eval"]
+        for label, temps in (("before", torch.ones_like(temperatures)), ("after", temperatures)):
+            a = cumulative_survival(z, temps)[drafted]
+            y = survived[drafted].float()
+            index = (a * bins).long().clamp(max=bins - 1)
+            xs, ys = [], []
+            for b in range(bins):
+                mask = index == b
+                if mask.any():
+                    xs.append(float(a[mask].mean()))
+                    ys.append(float(y[mask].mean()))
+            axes[row, 0].plot(xs, ys, marker="o", label=label)
+        axes[row, 0].plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=1)
+        axes[row, 0].set(title=f"{name}: reliability of a_j", xlabel="predicted survival a_j", ylabel="observed survival")
+        axes[row, 0].legend()
+        report = bucket["report"]
+        positions = [entry["position"] for entry in report]
+        width = 0.4
+        axes[row, 1].bar([p - width / 2 for p in positions], [e["ece_before"] for e in report], width, label="before")
+        axes[row, 1].bar([p + width / 2 for p in positions], [e["ece_after"] for e in report], width, label="after")
+        axes[row, 1].set(title=f"{name}: ECE by position", xlabel="position j", ylabel="ECE")
+        axes[row, 1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

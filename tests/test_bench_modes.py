@@ -1,0 +1,83 @@
+"""bench.mode=calibrate | sweep | load and scheduler=cost on a tiny target with a random dspark export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decode.bench import run_bench
+from tests.test_bench import bench_config
+
+
+@pytest.fixture()
+def tiny_export(tiny_model_dir, tmp_path, monkeypatch):
+    """A dspark export for the tiny target; cost profiles go to a temporary cache."""
+    import decode.profile
+    from train.drafter import BlockDrafter
+    from train.export import save_drafter
+    from train.target import load_target
+
+    monkeypatch.setattr(decode.profile, "CACHE_DIR", tmp_path / "profiles")
+    target = load_target(tiny_model_dir, "float32")
+    torch.manual_seed(0)
+    drafter = BlockDrafter(target.model.config, 1, 2, block_size=3, mask_token_id=0, markov_rank=8)
+    drafter.copy_target_weights(target.model)
+    return save_drafter(tmp_path / "export", drafter, (1, 2), target.model, tiny_model_dir, tiny_model_dir)
+
+
+def config(tiny_model_dir, prompts_file, out, *extra):
+    return bench_config([f"target.name_or_path={tiny_model_dir}", "target.dtype=float32", "data=jsonl",
+                         f"data.path={prompts_file}", "proposer=drafter", "decode.max_new_tokens=10",
+                         "decode.num_draft=3", f"out_dir={out}", "bench.concurrency=[1,2]", *extra])
+
+
+def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_dir, prompts_file, tmp_path, tiny_export):
+    summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path / "cal", f"proposer.path={tiny_export}",
+                               "bench.mode=calibrate", "bench.num_prompts=3"))
+    stored = json.loads((tiny_export / "calibration.json").read_text())
+    assert len(stored["greedy"]) == 3 and len(stored["sampling"]) == 3
+    assert all(t > 0 for t in stored["greedy"] + stored["sampling"])
+    report = summary["buckets"]["greedy"]["report"]
+    assert {"ece_before", "ece_after", "brier_before", "auroc_after"} <= report[0].keys()
+    assert (tmp_path / "cal" / "reliability.png").stat().st_size > 1000
+
+    out = tmp_path / "cost"
+    summary = run_bench(config(tiny_model_dir, prompts_file, out, f"proposer.path={tiny_export}", "scheduler=cost",
+                               "bench.num_prompts=2"))
+    assert summary["lossless"] is True
+    assert summary["calibration"] == str(tiny_export / "calibration.json")
+    assert summary["profile"]["measured_now"] is True
+    profile = json.loads(open(summary["profile"]["path"]).read())
+    assert len(profile["draft"]) == 4 and set(profile["verify"]) == {"single", "batched"}
+    # The second run reads the cached profile instead of measuring again.
+    again = run_bench(config(tiny_model_dir, prompts_file, out, f"proposer.path={tiny_export}", "scheduler=cost",
+                             "bench.num_prompts=1", "bench.baselines=false"))
+    assert again["profile"]["measured_now"] is False and again["profile"]["path"] == summary["profile"]["path"]
+
+
+def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path, tiny_export):
+    summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path, f"proposer.path={tiny_export}", "bench.mode=sweep",
+                               "bench.num_prompts=2", "bench.sweep_thresholds=[0.5]"))
+    assert set(summary["settings"]) == {"fixed_1", "fixed_2", "fixed_3", "threshold_0.5", "cost"}
+    assert summary["best_fixed"] in summary["settings"] and summary["cost_vs_best_fixed"] > 0
+
+
+def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_export):
+    summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path, f"proposer.path={tiny_export}", "bench.mode=load",
+                               "bench.num_prompts=3"))
+    assert [row["concurrency"] for row in summary["table"]] == [1, 2]
+    for row in summary["table"]:
+        assert row["outputs_equal_at_T0"] is True
+        for name in ("plain", "fixed", "scheduled"):
+            assert row[name]["total_tokens_per_s"] > 0 and row[name]["per_request_tokens_per_s"] > 0
+    assert (tmp_path / "load_sweep.png").stat().st_size > 1000
+
+
+def test_unknown_mode_and_missing_confidence_head_are_refused(tiny_model_dir, prompts_file, tmp_path):
+    with pytest.raises(ValueError, match="bench.mode='fast'"):
+        run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=ngram", "bench.mode=fast"))
+    with pytest.raises(ValueError, match="confidence head"):
+        run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=ngram", "scheduler=threshold",
+                         "bench.num_prompts=1"))
