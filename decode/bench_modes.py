@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from decode.batch_generate import LoadPolicy, Request, batched_generate
 from decode.bench import _atomic_write, run_interleaved
@@ -109,7 +110,7 @@ def run_load(bench) -> dict:
     warm = Request(bench.encoded[0][:16], 4)
     batched_generate(bench.target.model, [warm], bench.proposer, bench.sampler, num_draft, bench.stop, max_concurrency=1)
     table = []
-    for concurrency in cfg.bench.concurrency:
+    for concurrency in tqdm(cfg.bench.concurrency, desc="concurrency", mininterval=5):
         row = {"concurrency": concurrency}
         load = LoadPolicy(profile, num_draft)
         # Rotate the order per concurrency so no method always runs first.
@@ -177,7 +178,7 @@ def run_calibrate(bench) -> dict:
             raise ValueError(f"calibrate.temperatures={list(cfg.calibrate.temperatures)}: one T=0 and one T>0 at most")
         sampler = Sampler(temperature, cfg.decode.top_k, cfg.decode.top_p)
         gens = []
-        for index, ids in enumerate(bench.encoded):
+        for index, ids in enumerate(tqdm(bench.encoded, desc=f"calibrate {name}", mininterval=5)):
             generator = torch.Generator().manual_seed(cfg.bench.seed + index)
             gens.append(speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, block,
                                              bench.stop, FixedRule(), generator))

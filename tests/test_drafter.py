@@ -167,23 +167,31 @@ def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
             assert set(got.drafted) == {0}  # confidence < 1 always: plain decoding
 
 
-def test_proposer_drafts_what_the_training_pass_predicts_at_the_anchor():
-    """Inference wiring (anchor, positions, cache, Markov chain) equals the training computation."""
+def greedy_block_and_training_pass(target, drafter, prompt=(4, 9, 2, 7, 7, 1), first=13):
+    """Greedy inference's 4 drafted tokens after prompt + [first], and the training pass's output for
+    the block anchored at `first` over the same target features."""
     from decode.proposer import BlockDrafterProposer
     from decode.sampling import Sampler
     from decode.session import CausalSession
 
-    target, drafter = make_drafter("dspark")
-    with torch.no_grad():
-        drafter.markov_head.markov_w1.weight.normal_()
-    session = CausalSession(target, (1, 2))
-    prompt, first = [4, 9, 2, 7, 7, 1], 13
-    _, features = session.forward(prompt, last_only=True)
+    prompt = list(prompt)
+    _, features = CausalSession(target, (1, 2)).forward(prompt, last_only=True)
     proposer = BlockDrafterProposer(drafter, (1, 2))
     proposer.start(prompt + [first], features)
     drafted = proposer.propose(prompt + [first], 4, Sampler(), None).tokens
     with torch.no_grad():
-        out = drafter.forward_packed(drafter.project_context(features[None])[0], torch.tensor([len(prompt)]), torch.tensor([first]))
+        out = drafter.forward_packed(drafter.project_context(features[None])[0], torch.tensor([len(prompt)]),
+                                     torch.tensor([first]))
+    return drafted, out, first
+
+
+def test_proposer_drafts_what_the_training_pass_predicts_at_the_anchor():
+    """Inference wiring (anchor, positions, cache, Markov chain) equals the training computation."""
+    target, drafter = make_drafter("dspark")
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.normal_()
+    drafted, out, first = greedy_block_and_training_pass(target, drafter)
+    with torch.no_grad():
         expected, previous = [], torch.tensor([[first]])
         for k in range(4):
             bias = drafter.markov_head.block_bias(previous, out.hidden[:, k : k + 1])

@@ -77,6 +77,9 @@ class TrainerConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     position_decay: float = 4.0
+    # Previous tokens of the Markov and confidence heads in training: teacher (the data's, as DeepSpec) or
+    # sampled (the drafter's own draws, scored by an extra target forward; dspark only; train/on_policy.py).
+    markov_inputs: str = "teacher"
     # Keep each sequence's target features/distributions in memory after its first forward, so later
     # epochs skip the target (float32, ~44 KB per token with 5 layers of 576 and an 8k draft vocabulary).
     cache_target_gb: float = 4.0  # 0: a target forward for every batch

@@ -4,7 +4,8 @@ For each sequence: one no-grad target forward gives the features of the chosen l
 next-token logits; anchors are sampled among positions followed by a response token (seeded per
 sample, never per rank, so a 2-process run sees the same anchors as a 1-process run); every block
 predicts tokens a+1 .. a+γ from the context before a. The Markov head is teacher-forced on the
-true previous tokens. accelerate/DeepSpeed appear only in the trainer.
+true previous tokens by default, or on the drafter's own samples (train/on_policy.py).
+accelerate/DeepSpeed appear only in the trainer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from train.losses import distill_loss, position_weights
+from train.on_policy import sample_block_tokens, target_probs_after_drafts
 from train.signals import target_signals
 
 
@@ -33,6 +35,7 @@ class LossSettings:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     decay: float = 4.0
+    markov_inputs: str = "teacher"  # teacher: data tokens; sampled: the drafter's own samples (train/on_policy.py)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, seed: int) -> torch.Tensor:
@@ -129,11 +132,23 @@ def distill_step(
         context = drafter.project_context(features[b : b + 1].to(drafter.fc.weight.dtype))[0]  # (T, H)
         out = drafter.forward_packed(context, anchors, ids[anchors])
         draft_logits, confidence = out.logits, None
+        slot_probs, slot_outside = probs[b][rows], outside[b][rows]
+        if drafter.markov_head is not None and settings.markov_inputs == "sampled":
+            generator = torch.Generator(device=ids.device).manual_seed(int(batch.sample_seeds[b]) * 7919 + 1)
+            drafted = sample_block_tokens(drafter, out.logits.detach(), out.hidden.detach(), ids[anchors], generator)
+            previous = torch.cat([ids[anchors][:, None], drafted[:, :-1]], dim=1)  # (N, γ): slot k follows x̂_k
+            length = int(batch.attention_mask[b].sum())
+            slot_probs, slot_outside = target_probs_after_drafts(target_model, ids[:length], anchors, drafted,
+                                                                 drafter.draft_to_target)
+            # The data's token continues the data prefix only: CE keeps slot 0 (its prefix is the data's).
+            tokens = torch.where(torch.arange(tokens.shape[1], device=ids.device) == 0, tokens,
+                                 torch.full_like(tokens, -1))
         if drafter.markov_head is not None:
             draft_logits = draft_logits + drafter.markov_head.block_bias(previous, out.hidden)
             embedding = drafter.markov_head.markov_w1(previous).to(out.hidden.dtype)
             confidence = drafter.confidence_head(torch.cat([out.hidden, embedding], dim=-1))
-        pieces.append((draft_logits, probs[b][rows], outside[b][rows], to_draft[tokens], valid, confidence))
+        draft_tokens = torch.where(tokens >= 0, to_draft[tokens.clamp_min(0)], tokens)
+        pieces.append((draft_logits, slot_probs, slot_outside, draft_tokens, valid, confidence))
     if not pieces:
         raise ValueError("no sample in this batch has a response token to predict; check the loss masks")
     cat = lambda i: None if pieces[0][i] is None else torch.cat([p[i] for p in pieces])  # noqa: E731
