@@ -95,3 +95,17 @@ def test_reduced_vocabulary_counts_outside_mass_in_l1_and_skips_ce():
     # L1 = |0.5-0.5| + |0.5-0.2| + 0.3 (mass the drafter cannot propose) = 0.6; CE skipped.
     assert float(loss) == pytest.approx(0.6, rel=1e-5)
     assert metrics["tau_estimate"] == pytest.approx(1 + (1 - 0.3), rel=1e-5)
+
+
+def test_kl_option_adds_forward_kl_per_position():
+    torch.manual_seed(0)
+    logits, target = torch.randn(3, 4, 10), torch.randn(3, 4, 10).softmax(-1)
+    tokens, valid = torch.randint(0, 10, (3, 4)), torch.ones(3, 4, dtype=torch.bool)
+    base, _ = distill_loss(logits, target, tokens, valid)
+    with_kl, _ = distill_loss(logits, target, tokens, valid, kl_weight=2.0)
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), target, reduction="none").sum(-1)  # (3, 4)
+    weights = position_weights(4)[None].expand(3, 4)
+    assert float(with_kl - base) == pytest.approx(float(2.0 * (kl * weights).sum() / weights.sum()), rel=1e-5)
+    # Zero where the draft equals the target.
+    same, _ = distill_loss(target.log(), target, tokens, valid, ce_weight=0, l1_weight=0, kl_weight=1.0)
+    assert float(same) == pytest.approx(0.0, abs=1e-6)

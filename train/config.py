@@ -76,6 +76,7 @@ class TrainerConfig:
     ce_weight: float = 0.1
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
+    kl_weight: float = 0.0  # forward KL to the target's distribution (an option beside DSpark's CE + L1)
     position_decay: float = 4.0
     # Previous tokens of the Markov and confidence heads in training: teacher (the data's, as DeepSpec) or
     # sampled (the drafter's own draws, scored by an extra target forward; dspark only; train/on_policy.py).

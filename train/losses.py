@@ -4,6 +4,8 @@ Per drafted position k of a block (k = 0 is the anchor slot):
   CE_k   = -log p_draft(target token)                     (weight `ce_weight`, default 0.1)
   L1_k   = || p_draft - p_target ||_1                      (weight `l1_weight`, default 0.9)
   BCE_k  = BCE(sigmoid(confidence_k), 1 - L1_k / 2)        (weight `confidence_weight`, default 1.0)
+  KL_k   = KL(p_target || p_draft) over the draft vocabulary (weight `kl_weight`, default 0: an option;
+           its gradient does not vanish where the draft is far from the target, unlike L1's)
 Each position is weighted by exp(-k / decay): early positions matter most because a block is only
 as long as its first rejection. The sum is normalised by the total position weight, which the
 caller passes in already all-reduced across ranks so every rank divides by the same number.
@@ -48,6 +50,7 @@ def distill_loss(
     decay: float = 4.0,
     normalizer: float | torch.Tensor | None = None,
     target_outside_mass: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE + L1 (+ confidence BCE) over drafted positions; returns (loss, metrics).
 
@@ -68,6 +71,11 @@ def distill_loss(
         l1 = l1 + target_outside_mass.float()
     alpha = (1 - 0.5 * l1).detach()
     per_position = ce_weight * ce + l1_weight * l1
+    if kl_weight:
+        # Σ_x p log p − Σ_x p log q over the draft vocabulary (mass outside it cannot be matched).
+        p = target_probs.float()
+        kl = (torch.xlogy(p, p) - p * log_q).sum(-1)  # (N, γ)
+        per_position = per_position + kl_weight * kl
     metrics = {}
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.clamp(0, 1), reduction="none")

@@ -35,6 +35,7 @@ class LossSettings:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     decay: float = 4.0
+    kl_weight: float = 0.0
     markov_inputs: str = "teacher"  # teacher: data tokens; sampled: the drafter's own samples (train/on_policy.py)
 
 
@@ -156,5 +157,6 @@ def distill_step(
         cat(0), cat(1), cat(3), cat(4), cat(5),
         ce_weight=settings.ce_weight, l1_weight=settings.l1_weight,
         confidence_weight=settings.confidence_weight, decay=settings.decay, normalizer=normalizer,
+        kl_weight=settings.kl_weight,
         target_outside_mass=cat(2).clamp_min(0),  # (fp rounding can leave it slightly negative)
     )
