@@ -47,10 +47,9 @@ class _Active:
 
 @dataclass
 class LoadPolicy:
-    """scheduler=load: the measured cost profile and the drafted length every request offers."""
+    """scheduler=load: the measured cost profile (each request offers its whole drafted block)."""
 
     profile: object
-    num_draft: int
     admitted: list[int] = field(default_factory=list)  # per step: verify positions admitted, for reports
 
 
@@ -107,6 +106,8 @@ def batched_generate(
             limit = min(num_draft, room - 1)
             item.proposal = item.proposer.propose(item.context, limit, sampler, item.request.generator,
                                                   None if load else rule)
+            if len(item.proposal.tokens) > limit:
+                raise RuntimeError(f"proposer returned {len(item.proposal.tokens)} tokens where at most {limit} were asked for")
             if load is None:
                 item.proposal = item.proposal.truncate(cut(item.proposal, rule))
         if load is not None:
@@ -155,7 +156,7 @@ def _admit(active: list[_Active], load: LoadPolicy, sampler: Sampler) -> None:
             raise ValueError("scheduler=load needs a proposer with a confidence head (proposer=drafter, dspark export)")
         values = [] if item.proposal.confidence is None else item.proposal.confidence.float().cumprod(0).tolist()
         survival.append(values)
-    draft_s = sum(load.profile.draft_s(len(values)) for values in survival)  # already spent: a constant here
+    draft_s = sum(load.profile.draft_s(len(values)) for values in survival if values)  # already spent: a constant here
     lengths = load_schedule(survival, draft_s, lambda rows, length: load.profile.verify_s(rows, length, "batched"))
     for item, length in zip(active, lengths):
         item.proposal = item.proposal.truncate(length)

@@ -19,6 +19,14 @@ class BatchedSession:
     """Append ragged rows of tokens to R sequences; keep a prefix of each row's new slots."""
 
     def __init__(self, model: torch.nn.Module, feature_layers: tuple[int, ...] = (), pad_id: int = 0):
+        config = model.config
+        attention = getattr(config, "_attn_implementation", None)
+        if attention not in (None, "eager", "sdpa"):
+            raise ValueError(f"batched decoding passes 4D attention masks, which attn_implementation={attention!r} "
+                             "does not take; load the target with attn_implementation='sdpa' or 'eager'")
+        if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise ValueError("batched decoding does not support sliding-window attention (its cache trims slots the "
+                             "row masks index); decode such targets one request at a time")
         self.model, self.feature_layers, self.pad_id = model, tuple(feature_layers), pad_id
         self.context_window = getattr(model.config, "max_position_embeddings", None)
         self.cache: DynamicCache | None = None
@@ -89,9 +97,11 @@ class BatchedSession:
                                  f"({self.context_window}); lower decode.max_new_tokens")
         device = self.model.device
         input_ids = torch.tensor([row + [self.pad_id] * (width - len(row)) for row in rows], device=device)  # (R, L)
-        # Logical positions continue each row; padding keeps counting so the inputs look like one run.
-        position_ids = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(width, device=device)  # (R, L)
+        # Logical positions continue each row; padding repeats the row's last position, so no row ever
+        # shows a position past its own (RoPE variants that scale with the largest position stay per row).
         lengths = torch.tensor([len(row) for row in rows], device=device)
+        steps = torch.minimum(torch.arange(width, device=device)[None, :], lengths[:, None] - 1)
+        position_ids = torch.tensor(self.lengths, device=device)[:, None] + steps  # (R, L)
         new_valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (R, L)
         causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()  # (L, L)
         visible = torch.cat(

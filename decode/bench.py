@@ -176,8 +176,13 @@ def attach_calibration(cfg: BenchConfig, proposer) -> str | None:
         path = Path(cfg.bench.calibration)
         if not path.is_file():
             raise FileNotFoundError(f"bench.calibration={path} does not exist; use auto, none or a calibration.json")
-    proposer.calibration = read_calibration(path)
-    return str(path) if proposer.calibration else None
+    calibration = read_calibration(path)
+    for bucket, temperatures in (calibration or {}).items():
+        if len(temperatures) < proposer.max_draft:
+            raise ValueError(f"{path} holds {len(temperatures)} {bucket} temperatures but this drafter drafts "
+                             f"{proposer.max_draft} positions: it was made for another export; rerun bench.mode=calibrate")
+    proposer.calibration = calibration
+    return str(path) if calibration else None
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -211,7 +216,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
             request = Request(ids, cfg.decode.max_new_tokens, generator)
             return batched_generate(target.model, [request], proposer, sampler, cfg.decode.num_draft, stop, None,
-                                    LoadPolicy(profile, cfg.decode.num_draft), 1, pad)[0]
+                                    LoadPolicy(profile), 1, pad)[0]
         if kind == "spec":
             return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, scheduler, generator)
         if kind == "hf_generate":

@@ -56,7 +56,7 @@ def run_sweep(bench) -> dict:
     session = CausalSession(bench.target.model, proposer.feature_layers)
 
     def run(kind, index, ids):
-        generator = torch.Generator().manual_seed(cfg.bench.seed + index)
+        generator = torch.Generator(device=bench.target.model.device).manual_seed(cfg.bench.seed + index)
         if kind == "plain":
             return speculative_generate(session, ids, NoProposer(), sampler, cfg.decode.max_new_tokens, 0, bench.stop,
                                         generator=generator)
@@ -83,7 +83,8 @@ def run_sweep(bench) -> dict:
 
 def _closed_loop(bench, concurrency: int, proposer, num_draft: int, load: LoadPolicy | None) -> dict:
     cfg = bench.cfg
-    requests = [Request(ids, cfg.decode.max_new_tokens, torch.Generator().manual_seed(cfg.bench.seed + i))
+    device = bench.target.model.device
+    requests = [Request(ids, cfg.decode.max_new_tokens, torch.Generator(device=device).manual_seed(cfg.bench.seed + i))
                 for i, ids in enumerate(bench.encoded)]
     start = time.perf_counter()
     gens = batched_generate(bench.target.model, requests, proposer, bench.sampler, num_draft, bench.stop, None, load,
@@ -112,7 +113,7 @@ def run_load(bench) -> dict:
     table = []
     for concurrency in tqdm(cfg.bench.concurrency, desc="concurrency", mininterval=5):
         row = {"concurrency": concurrency}
-        load = LoadPolicy(profile, num_draft)
+        load = LoadPolicy(profile)
         # Rotate the order per concurrency so no method always runs first.
         methods = [("plain", NoProposer(), 0, None), ("fixed", bench.proposer, num_draft, None),
                    ("scheduled", bench.proposer, num_draft, load)]
@@ -179,7 +180,7 @@ def run_calibrate(bench) -> dict:
         sampler = Sampler(temperature, cfg.decode.top_k, cfg.decode.top_p)
         gens = []
         for index, ids in enumerate(tqdm(bench.encoded, desc=f"calibrate {name}", mininterval=5)):
-            generator = torch.Generator().manual_seed(cfg.bench.seed + index)
+            generator = torch.Generator(device=bench.target.model.device).manual_seed(cfg.bench.seed + index)
             gens.append(speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, block,
                                              bench.stop, FixedRule(), generator))
         buckets[name] = fit_bucket(gens[0::2], gens[1::2], block)

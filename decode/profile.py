@@ -84,6 +84,7 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "dtype": str(dtype).replace("torch.", ""),
         "target": target_name,
         "target_config": hashlib.sha256(target_model.config.to_json_string().encode()).hexdigest()[:16],
+        "attention": getattr(target_model.config, "_attn_implementation", None),
         "drafter": drafter,
         "block_size": block_size,
         "batch_sizes": list(batch_sizes),
@@ -91,12 +92,19 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
     }
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # GPU kernels run asynchronously: time them to completion
+
+
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        _sync()
         start = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -142,6 +150,7 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
     _, features = session.forward(context)
     proposer = proposer.clone()
     proposer.start(context, features)
+    generator = torch.Generator(device=model.device).manual_seed(0)
     sampler = Sampler(1.0)  # sampling costs at least what greedy does (it also builds q)
 
     class StopAfter:

@@ -78,7 +78,7 @@ def test_batched_with_threshold_rule_equals_batch1():
 def test_load_scheduler_is_lossless_at_T0_and_admits_ragged_lengths():
     target, drafter = make_drafter("dspark")
     proposer = BlockDrafterProposer(drafter, (1, 2))
-    load = LoadPolicy(synthetic_profile(), 4)
+    load = LoadPolicy(synthetic_profile())
     got, gens = batched(target, proposer, Sampler(), 4, load=load)
     for prompt, limit, out in zip(PROMPTS, LIMITS, got):
         assert out == hf_greedy(target, prompt, limit, EOS)

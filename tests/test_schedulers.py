@@ -147,7 +147,7 @@ def test_load_scheduler_keeps_batched_sampling_lossless():
     drafter.copy_target_weights(target)
     proposer = BlockDrafterProposer(drafter, (1, 2))
     prompt, s = [2, 5, 3], Sampler(temperature=1.0)
-    load = LoadPolicy(synthetic_profile(rows=(1, 2, 4, 8), length=4, per_token=0.0002), 3)
+    load = LoadPolicy(synthetic_profile(rows=(1, 2, 4, 8), length=4, per_token=0.0002))
     samples = []
     for batch in range(300):
         requests = [Request(prompt, 4, torch.Generator().manual_seed(1000 * batch + i)) for i in range(8)]

@@ -62,7 +62,8 @@ def target_probs_after_drafts(target_model, ids: torch.Tensor, anchors: torch.Te
     dtype = target_model.dtype
     visible = prefix_mask(length, anchors, extra)
     mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
-    logits = target_model(input_ids=feed, attention_mask=mask[None, None], position_ids=positions).logits[0].float()
+    logits = target_model(input_ids=feed, attention_mask=mask[None, None], position_ids=positions,
+                          use_cache=False).logits[0].float()
     probs = logits.softmax(-1)[:, draft_to_target]  # (T + N*(γ-1), V_draft)
     first = probs[anchors][:, None]  # (N, 1, V): slot 0 predicts after the anchor
     rest = probs[length:].reshape(blocks, extra, -1)  # (N, γ-1, V)

@@ -10,6 +10,7 @@ methods, not one forward, so DDP's hooks would never fire): gradients are all-re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -78,7 +79,9 @@ def evaluate(drafter, target_model, examples, feature_layers, cfg: TrainerConfig
     for start in range(0, len(examples), cfg.batch_size):
         indices = list(range(start, min(start + cfg.batch_size, len(examples))))
         batch = _to(make_batch(examples, indices, 0, cfg.seed + 1, pad_id), drafter.draft_to_target.device)
-        loss, metrics = distill_step(drafter, target_model, batch, feature_layers, num_anchors, _settings(cfg), signals=signals)
+        # Always teacher-forced, so held-out figures compare across trainer.markov_inputs settings.
+        settings = dataclasses.replace(_settings(cfg), markov_inputs="teacher")
+        loss, metrics = distill_step(drafter, target_model, batch, feature_layers, num_anchors, settings, signals=signals)
         for key in ("ce", "l1", "tau_estimate", "tau_greedy"):
             totals[key] = totals.get(key, 0.0) + metrics[key]
         totals["loss"] = totals.get("loss", 0.0) + float(loss)
