@@ -54,10 +54,11 @@ class BatchedSession:
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                          output_hidden_states=bool(self.feature_layers))
         features = self._features(out.hidden_states)
-        self._merge(cache, len(token_ids))
+        self.add_cache(cache, len(token_ids))
         return out.logits[0].float(), None if features is None else features[0]
 
-    def _merge(self, cache: DynamicCache, length: int) -> None:
+    def add_cache(self, cache: DynamicCache, length: int) -> None:
+        """Merge a batch-1 cache of `length` positions in as the last row."""
         if self.cache is None or self.rows == 0:
             self.cache = cache
             self.valid = torch.ones((1, length), dtype=torch.bool, device=self.model.device)

@@ -10,6 +10,7 @@ machine (CPU model, threads, torch), dtype, target and drafter, then read from
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -126,10 +127,13 @@ def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int
         single.rollback(context_length)
 
     table = {"single": {"1": [_median_seconds(lambda: one(n), repeats) for n in range(1, max_length + 1)]}, "batched": {}}
+    # One prefilled context, copied into every row: the step's cost depends on shapes, not on the tokens.
+    prefill = BatchedSession(model, feature_layers)
+    prefill.add(tokens(context_length))
     for rows in batch_sizes:
         session = BatchedSession(model, feature_layers)
         for _ in range(rows):
-            session.add(tokens(context_length))
+            session.add_cache(copy.deepcopy(prefill.cache), context_length)
         feeds = [tokens(max_length) for _ in range(rows)]
 
         def step(length):
