@@ -21,7 +21,7 @@ from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, _stop_index
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, cut, load_schedule
+from decode.scheduler import FixedRule, cut, load_schedule, make_backoff
 
 
 @dataclass
@@ -43,6 +43,8 @@ class _Active:
     start: float
     proposal: Proposal | None = None
     done: bool = False
+    backoff: object = None
+    skipped: bool = False
 
 
 @dataclass
@@ -50,6 +52,7 @@ class LoadPolicy:
     """scheduler=load: the measured cost profile (each request offers its whole drafted block)."""
 
     profile: object
+    rule: object = None  # the per-request LoadRule (its max_skip drives the backoff), None: no backoff
     admitted: list[int] = field(default_factory=list)  # per step: verify positions admitted, for reports
 
 
@@ -78,6 +81,7 @@ def batched_generate(
             raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
     eos = set(eos_token_ids)
     rule = scheduler or FixedRule()
+    load_rule = load.rule if load is not None else None
     accept_fn = _greedy_step if sampler.greedy else _sampling_step
     session = BatchedSession(model, proposer.feature_layers, pad_id)
     results: list[Generation | None] = [None] * len(requests)
@@ -94,6 +98,7 @@ def batched_generate(
                            Generation(output_ids=[first]), started)
             item.result.ttft_s = time.perf_counter() - started
             item.proposer.start(list(item.context), features)
+            item.backoff = make_backoff(load_rule if load is not None else rule)
             item.done = first in eos or request.max_new_tokens == 1
             active.append(item)
         finished = [i for i, item in enumerate(active) if item.done]
@@ -104,6 +109,10 @@ def batched_generate(
         for item in active:  # draft
             room = item.request.max_new_tokens - len(item.result.output_ids)
             limit = min(num_draft, room - 1)
+            item.skipped = item.backoff is not None and item.backoff.should_skip()
+            if item.skipped:
+                item.proposal = Proposal([])  # plain decoding for this request this step
+                continue
             item.proposal = item.proposer.propose(item.context, limit, sampler, item.request.generator,
                                                   None if load else rule)
             if len(item.proposal.tokens) > limit:
@@ -112,6 +121,9 @@ def batched_generate(
                 item.proposal = item.proposal.truncate(cut(item.proposal, rule))
         if load is not None:
             _admit(active, load, sampler)
+        for item in active:
+            if item.backoff is not None and not item.skipped and item.request.max_new_tokens - len(item.result.output_ids) > 1:
+                item.backoff.observe(len(item.proposal.tokens))
 
         rows = [[item.context[-1]] + item.proposal.tokens for item in active]
         logits, features = session.forward(rows)  # (R, L, V)

@@ -200,7 +200,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.scheduler.name in ("cost", "load"):
         profile, profile_path, measured = bench.profile()
         profile_info = {"path": str(profile_path), "measured_now": measured}
-    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold, profile)
+    scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold, profile, cfg.scheduler.max_skip)
     session = CausalSession(target.model, proposer.feature_layers)
     stop, pad, encoded = bench.stop, bench.pad, bench.encoded
 
@@ -216,7 +216,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
             request = Request(ids, cfg.decode.max_new_tokens, generator)
             return batched_generate(target.model, [request], proposer, sampler, cfg.decode.num_draft, stop, None,
-                                    LoadPolicy(profile), 1, pad)[0]
+                                    LoadPolicy(profile, scheduler), 1, pad)[0]
         if kind == "spec":
             return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, scheduler, generator)
         if kind == "hf_generate":

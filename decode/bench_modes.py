@@ -23,7 +23,7 @@ from decode.generate import speculative_generate
 from decode.metrics import acceptance_stats, timing_stats
 from decode.proposer import NoProposer
 from decode.sampling import Sampler
-from decode.scheduler import CostRule, FixedRule, ThresholdRule
+from decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
 from decode.session import CausalSession
 
 
@@ -51,7 +51,7 @@ def run_sweep(bench) -> dict:
     if has_confidence:
         rules.update({f"threshold_{t:g}": (block, ThresholdRule(t)) for t in cfg.bench.sweep_thresholds})
         profile, path, measured = bench.profile()
-        rules["cost"] = (block, CostRule(profile))
+        rules["cost"] = (block, CostRule(profile, max_skip=cfg.scheduler.max_skip))
         profile_info = {"path": str(path), "measured_now": measured}
     session = CausalSession(bench.target.model, proposer.feature_layers)
 
@@ -113,7 +113,7 @@ def run_load(bench) -> dict:
     table = []
     for concurrency in tqdm(cfg.bench.concurrency, desc="concurrency", mininterval=5):
         row = {"concurrency": concurrency}
-        load = LoadPolicy(profile)
+        load = LoadPolicy(profile, LoadRule(cfg.scheduler.max_skip))
         # Rotate the order per concurrency so no method always runs first.
         methods = [("plain", NoProposer(), 0, None), ("fixed", bench.proposer, num_draft, None),
                    ("scheduled", bench.proposer, num_draft, load)]

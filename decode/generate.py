@@ -18,7 +18,7 @@ import torch
 
 from decode.proposer import Proposal, Proposer
 from decode.sampling import Sampler, sample
-from decode.scheduler import cut
+from decode.scheduler import cut, make_backoff
 from decode.session import CausalSession
 from decode.verifier import greedy_accept, rejection_accept
 
@@ -74,16 +74,22 @@ def speculative_generate(
     result = Generation(output_ids=[first], ttft_s=time.perf_counter() - start)
     context = list(prompt_ids) + [first]
     proposer.start(list(context), features)  # features cover the prompt; context adds the pending token
+    backoff = make_backoff(scheduler)
 
     while first not in eos_ids and len(result.output_ids) < max_new_tokens:
         room = max_new_tokens - len(result.output_ids)
         # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
         limit = min(num_draft, room - 1)
-        proposal = proposer.propose(context, limit, sampler, generator, scheduler)
-        if len(proposal.tokens) > limit:
-            raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
-        if scheduler is not None:  # proposers without confidences ignore the rule; cut their block here
-            proposal = proposal.truncate(cut(proposal, scheduler))
+        if backoff is not None and backoff.should_skip():
+            proposal = Proposal([])  # plain decoding this step; the drafter is not run
+        else:
+            proposal = proposer.propose(context, limit, sampler, generator, scheduler)
+            if len(proposal.tokens) > limit:
+                raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
+            if scheduler is not None:  # proposers without confidences ignore the rule; cut their block here
+                proposal = proposal.truncate(cut(proposal, scheduler))
+            if backoff is not None and limit > 0:
+                backoff.observe(len(proposal.tokens))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
         logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)

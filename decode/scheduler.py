@@ -53,6 +53,36 @@ def expected_tokens(confidences: list[float]) -> float:
     return total
 
 
+class Backoff:
+    """The fallback to plain decoding: after a step whose scheduler verified nothing, skip the drafter
+    (backbone pass included) for 1, 2, 4, ... steps (at most `max_skip`), then draft again to probe.
+    It decides from finished steps only, before anything of the current step is drafted, so the
+    verified set never depends on the tokens being verified."""
+
+    def __init__(self, max_skip: int):
+        self.max_skip, self.streak, self.skip = max_skip, 0, 0
+
+    def should_skip(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return True
+        return False
+
+    def observe(self, verified: int) -> None:
+        """After a step that drafted: how many positions the scheduler chose to verify."""
+        if verified > 0:
+            self.streak = 0
+            return
+        self.streak += 1
+        self.skip = min(2 ** (self.streak - 1), self.max_skip)
+
+
+def make_backoff(rule) -> Backoff | None:
+    """One per request, for rules that ask for it (max_skip > 0)."""
+    max_skip = getattr(rule, "max_skip", 0)
+    return Backoff(max_skip) if max_skip else None
+
+
 class CostRule:
     """Latency mode for one request: extend the verify length while the expected tokens per second
     (1 + Σ_{j≤ℓ} a_j) / (t_draft(ℓ) + t_verify(1 + ℓ)) improves; stop at the first non-improvement.
@@ -61,8 +91,8 @@ class CostRule:
 
     needs_confidence = True
 
-    def __init__(self, profile, rows: int = 1):
-        self.profile, self.rows = profile, rows
+    def __init__(self, profile, rows: int = 1, max_skip: int = 16):
+        self.profile, self.rows, self.max_skip = profile, rows, max_skip
 
     def rate(self, confidences: list[float]) -> float:
         length = len(confidences)
@@ -118,14 +148,24 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
     return lengths
 
 
-def build_scheduler(name: str, threshold: float = 0.5, profile=None):
-    """The stopping rule for scheduler=NAME (load: the per-request rule is fixed; admission is batched)."""
-    if name in ("fixed", "load"):
+class LoadRule(FixedRule):
+    """scheduler=load's per-request part: draft the whole block (admission happens batch-wide), and
+    back off to plain decoding after steps where nothing of this request was admitted."""
+
+    def __init__(self, max_skip: int = 16):
+        self.max_skip = max_skip
+
+
+def build_scheduler(name: str, threshold: float = 0.5, profile=None, max_skip: int = 16):
+    """The stopping rule for scheduler=NAME (load: the per-request rule drafts whole blocks; admission is batched)."""
+    if name == "fixed":
         return FixedRule()
+    if name == "load":
+        return LoadRule(max_skip)
     if name == "threshold":
         return ThresholdRule(threshold)
     if name == "cost":
         if profile is None:
             raise ValueError("scheduler=cost needs a measured cost profile (decode/profile.py)")
-        return CostRule(profile)
+        return CostRule(profile, max_skip=max_skip)
     raise ValueError(f"unknown scheduler {name!r}; choose one of {list(SCHEDULERS)}")

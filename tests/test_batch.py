@@ -11,7 +11,7 @@ from decode.generate import speculative_generate
 from decode.profile import CostProfile
 from decode.proposer import BlockDrafterProposer, ModelProposer, NoProposer
 from decode.sampling import Sampler
-from decode.scheduler import ThresholdRule
+from decode.scheduler import CostRule, ThresholdRule
 from decode.session import CausalSession
 from tests.conftest import hf_greedy, tiny_llama
 from tests.test_drafter import make_drafter
@@ -67,10 +67,11 @@ def test_batched_equals_batch1_for_every_request(sampler):
     assert len(accepted) > 2, "rows should accept ragged lengths"
 
 
-def test_batched_with_threshold_rule_equals_batch1():
+@pytest.mark.parametrize("rule", [ThresholdRule(0.5), CostRule(synthetic_profile(per_token=0.004), max_skip=4)],
+                         ids=["threshold", "cost_with_backoff"])
+def test_batched_with_stopping_rules_equals_batch1(rule):
     target, drafter = make_drafter("dspark")
     proposer = BlockDrafterProposer(drafter, (1, 2))
-    rule = ThresholdRule(0.5)
     for sampler in (Sampler(), Sampler(temperature=1.0)):
         assert batched(target, proposer, sampler, 4, rule)[0] == batch1(target, proposer, sampler, 4, rule)
 

@@ -156,3 +156,36 @@ def test_load_scheduler_keeps_batched_sampling_lossless():
     drafted = {d for d in load.admitted}
     assert len(drafted) > 1  # the scheduler really varied the admitted positions
     assert goodness_of_fit(np.array(samples), enumerated_joint(target, prompt, s)) > 1e-4
+
+
+def test_backoff_skips_the_drafter_after_empty_steps_and_probes_again():
+    from decode.scheduler import Backoff
+
+    backoff = Backoff(max_skip=4)
+    pattern = []
+    for verified in [0, 0, 0, 0, 0, 2, 0]:
+        skipped = 0
+        while backoff.should_skip():
+            skipped += 1
+        pattern.append(skipped)
+        backoff.observe(verified)
+    assert pattern == [0, 1, 2, 4, 4, 4, 0]  # 1, 2, 4, capped at 4; a verified step resets the streak
+    assert backoff.should_skip()  # the last empty step starts a new streak
+
+
+class CountingDrafter(ConfidentDrafter):
+    calls = 0
+
+    def propose(self, *args, **kwargs):
+        CountingDrafter.calls += 1
+        return super().propose(*args, **kwargs)
+
+
+def test_cost_rule_with_backoff_stays_lossless_and_skips_the_drafter():
+    # Drafting is expensive in this profile, so the rule verifies little and the backoff skips often.
+    rule = CostRule(synthetic_profile(length=3, per_token=0.02), max_skip=4)
+    proposer = CountingDrafter(markov_tables()[1])
+    samples = loop_samples(proposer, rule)
+    assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
+    steps = len(samples) * 3  # at least 3 verify steps per generation of 3 + 2 tokens
+    assert CountingDrafter.calls < steps
