@@ -65,18 +65,24 @@ def run_sweep(bench) -> dict:
                                     rule, generator)
 
     results = run_interleaved(["plain", *rules], run, bench.encoded)
-    plain = timing_stats(results["plain"])["tokens_per_s"]
+    plain, plain_tpot = (timing_stats(results["plain"])[k] for k in ("tokens_per_s", "tpot_s"))
     rows = {}
     for kind in rules:
         stats, timing = acceptance_stats(results[kind]), timing_stats(results[kind])
         rows[kind] = {"tau": stats["tau"], "mean_draft_len": stats["mean_draft_len"], "tokens_per_s": timing["tokens_per_s"],
-                      "speedup_vs_plain": timing["tokens_per_s"] / plain}
+                      "speedup_vs_plain": timing["tokens_per_s"] / plain,
+                      # after the first token: prefill (identical for every setting) left out
+                      "decode_tokens_per_s": 1 / timing["tpot_s"] if timing["tpot_s"] else None,
+                      "decode_speedup_vs_plain": plain_tpot / timing["tpot_s"] if timing["tpot_s"] else None}
     fixed = {k: v for k, v in rows.items() if k.startswith("fixed_")}
     best_fixed = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
     summary = {"mode": "sweep", "plain_tokens_per_s": plain, "settings": rows, "best_fixed": best_fixed,
                "num_prompts": len(bench.encoded), "calibration": bench.calibration, "profile": profile_info}
     if "cost" in rows:
         summary["cost_vs_best_fixed"] = rows["cost"]["tokens_per_s"] / fixed[best_fixed]["tokens_per_s"]
+        best_decode = max(fixed, key=lambda k: fixed[k]["decode_tokens_per_s"] or 0)
+        if rows["cost"]["decode_tokens_per_s"] and fixed[best_decode]["decode_tokens_per_s"]:
+            summary["cost_vs_best_fixed_decode"] = rows["cost"]["decode_tokens_per_s"] / fixed[best_decode]["decode_tokens_per_s"]
     summary["config"] = _config(bench)
     return _write(bench, "results.json", summary)
 
