@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.batch_session import BatchedSession
-from decode.generate import Generation, _greedy_step, _pick, _sampling_step, _stop_index
+from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, cut, load_schedule, make_backoff
+from decode.scheduler import FixedRule, load_schedule, make_backoff
 
 
 @dataclass
@@ -81,7 +81,6 @@ def batched_generate(
             raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
     eos = set(eos_token_ids)
     rule = scheduler or FixedRule()
-    load_rule = load.rule if load is not None else None
     accept_fn = _greedy_step if sampler.greedy else _sampling_step
     session = BatchedSession(model, proposer.feature_layers, pad_id)
     results: list[Generation | None] = [None] * len(requests)
@@ -98,7 +97,7 @@ def batched_generate(
                            Generation(output_ids=[first]), started)
             item.result.ttft_s = time.perf_counter() - started
             item.proposer.start(list(item.context), features)
-            item.backoff = make_backoff(load_rule if load is not None else rule)
+            item.backoff = make_backoff(load.rule if load is not None else rule)
             item.done = first in eos or request.max_new_tokens == 1
             active.append(item)
         finished = [i for i, item in enumerate(active) if item.done]
@@ -113,14 +112,11 @@ def batched_generate(
             if item.skipped:
                 item.proposal = Proposal([])  # plain decoding for this request this step
                 continue
-            item.proposal = item.proposer.propose(item.context, limit, sampler, item.request.generator,
-                                                  None if load else rule)
-            if len(item.proposal.tokens) > limit:
-                raise RuntimeError(f"proposer returned {len(item.proposal.tokens)} tokens where at most {limit} were asked for")
-            if load is None:
-                item.proposal = item.proposal.truncate(cut(item.proposal, rule))
+            # scheduler=load drafts whole blocks and admits positions batch-wide below.
+            item.proposal = draft(item.proposer, item.context, limit, sampler, item.request.generator,
+                                  None if load else rule)
         if load is not None:
-            _admit(active, load, sampler)
+            _admit(active, load)
         for item in active:
             if item.backoff is not None and not item.skipped and item.request.max_new_tokens - len(item.result.output_ids) > 1:
                 item.backoff.observe(len(item.proposal.tokens))
@@ -133,15 +129,8 @@ def batched_generate(
             accepted, next_token = accept_fn(item.proposal, logits[r, : k + 1], sampler, item.request.generator)
             counts.append(1 + accepted)
             room = item.request.max_new_tokens - len(item.result.output_ids)
-            new_tokens = item.proposal.tokens[:accepted] + [next_token]
-            keep = _stop_index(new_tokens, eos, room)
-            item.result.output_ids.extend(new_tokens[:keep])
-            item.context.extend(new_tokens[:keep])
-            item.result.drafted.append(k)
-            item.result.accepted.append(accepted)
-            if item.proposal.confidence_logits is not None:
-                item.result.confidence_logits.append(item.proposal.confidence_logits.tolist())
-            item.done = any(t in eos for t in new_tokens[:keep]) or len(item.result.output_ids) >= item.request.max_new_tokens
+            at_eos = record_step(item.result, item.context, item.proposal, accepted, next_token, eos, room)
+            item.done = at_eos or len(item.result.output_ids) >= item.request.max_new_tokens
             if not item.done:
                 item.proposer.commit(item.context, None if features is None else features[r, : 1 + accepted])
         session.keep(counts)
@@ -160,7 +149,7 @@ def _leave(session: BatchedSession, active: list[_Active], finished: list[int], 
     active[:] = [item for i, item in enumerate(active) if i not in set(finished)]
 
 
-def _admit(active: list[_Active], load: LoadPolicy, sampler: Sampler) -> None:
+def _admit(active: list[_Active], load: LoadPolicy) -> None:
     """DSpark's load-aware admission: cut each request's block to its admitted length."""
     survival = []
     for item in active:

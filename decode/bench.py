@@ -26,8 +26,6 @@ from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
-
-BENCH_MODES = ("single", "sweep", "load", "calibrate")
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
 from decode.proposer import BlockDrafterProposer, Eagle3Proposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
@@ -37,6 +35,9 @@ from decode.session import CausalSession  # noqa: E402
 from train.data import chat_prompt_ids, load_prompts  # noqa: E402
 from train.export import load_drafter  # noqa: E402
 from train.target import load_target  # noqa: E402
+
+
+BENCH_MODES = ("single", "sweep", "load", "calibrate")
 
 
 def build_proposer(cfg: BenchConfig, target):

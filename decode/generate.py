@@ -83,11 +83,7 @@ def speculative_generate(
         if backoff is not None and backoff.should_skip():
             proposal = Proposal([])  # plain decoding this step; the drafter is not run
         else:
-            proposal = proposer.propose(context, limit, sampler, generator, scheduler)
-            if len(proposal.tokens) > limit:
-                raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
-            if scheduler is not None:  # proposers without confidences ignore the rule; cut their block here
-                proposal = proposal.truncate(cut(proposal, scheduler))
+            proposal = draft(proposer, context, limit, sampler, generator, scheduler)
             if backoff is not None and limit > 0:
                 backoff.observe(len(proposal.tokens))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
@@ -95,19 +91,34 @@ def speculative_generate(
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
         target.rollback(kept_length + 1 + num_accepted)
 
-        new_tokens = proposal.tokens[:num_accepted] + [next_token]
-        keep = _stop_index(new_tokens, eos_ids, room)
-        result.output_ids.extend(new_tokens[:keep])
-        context.extend(new_tokens[:keep])
-        result.drafted.append(len(proposal.tokens))
-        result.accepted.append(num_accepted)
-        if proposal.confidence_logits is not None:
-            result.confidence_logits.append(proposal.confidence_logits.tolist())
-        if any(t in eos_ids for t in new_tokens[:keep]):
+        if record_step(result, context, proposal, num_accepted, next_token, eos_ids, room):
             break
         proposer.commit(context, None if features is None else features[: 1 + num_accepted])
     result.total_s = time.perf_counter() - start
     return result
+
+
+def draft(proposer, context: list[int], limit: int, sampler: Sampler, generator, rule) -> Proposal:
+    """A proposal of at most `limit` tokens, cut by the stopping rule (proposers without confidences
+    ignore the rule while drafting; it is applied to their block here)."""
+    proposal = proposer.propose(context, limit, sampler, generator, rule)
+    if len(proposal.tokens) > limit:
+        raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
+    return proposal if rule is None else proposal.truncate(cut(proposal, rule))
+
+
+def record_step(result: Generation, context: list[int], proposal: Proposal, num_accepted: int, next_token: int,
+                eos_ids: set[int], room: int) -> bool:
+    """Append a verify step's accepted tokens (up to EOS, at most `room`) and statistics; True at EOS."""
+    new_tokens = proposal.tokens[:num_accepted] + [next_token]
+    kept = new_tokens[: _stop_index(new_tokens, eos_ids, room)]
+    result.output_ids.extend(kept)
+    context.extend(kept)
+    result.drafted.append(len(proposal.tokens))
+    result.accepted.append(num_accepted)
+    if proposal.confidence_logits is not None:
+        result.confidence_logits.append(proposal.confidence_logits.tolist())
+    return any(t in eos_ids for t in kept)
 
 
 def _pick(sampler: Sampler, logits: torch.Tensor, generator) -> int:
