@@ -4,6 +4,11 @@ A checkpoint is a folder `checkpoints/step-NNNNNNN/` written under a temporary n
 into place only when complete, so a kill mid-save never leaves a checkpoint that looks usable.
 Trainer state (optimizer, scheduler, RNG, data position) is loaded with `weights_only=True` and
 only from a run folder of ours (it must carry our `meta.json`).
+
+Under DeepSpeed ZeRO the optimizer state is partitioned: every rank writes its shard with DeepSpeed's
+own `save_checkpoint` into `deepspeed/` of the same partial folder (`.step-NNNNNNN.partial`, a name all
+ranks know), then rank 0 adds our files and renames it into place. DeepSpeed reads those shards with
+pickle, so they are only ever loaded from a folder that carries our `meta.json` (never from an export).
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ FORMAT = "specdraft-checkpoint-1"
 FROZEN_PREFIXES = ("embed_tokens.",)  # reloaded from the target; not worth a copy per checkpoint
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The drafter's state without the frozen target embeddings, contiguous for safetensors."""
-    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
+def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A drafter state dict without the frozen target embeddings, contiguous for safetensors."""
+    return {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)}
 
 
 def write_folder_atomically(final: Path, write) -> Path:
@@ -42,15 +47,36 @@ def write_folder_atomically(final: Path, write) -> Path:
     return final
 
 
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+
+
+def partial_path(run_dir: Path, step: int) -> Path:
+    """Where every rank of a DeepSpeed run writes its shard before rank 0 completes the checkpoint."""
+    return Path(run_dir) / "checkpoints" / f".step-{step:07d}.partial"
+
+
+def write_checkpoint_files(folder: Path, step: int, weights: dict, trainer_state: dict, meta: dict) -> None:
+    """Our files of a checkpoint (`weights`: the drafter's state dict); meta.json last, it marks the folder complete."""
+    save_file(trainable_state(weights), str(folder / "drafter.safetensors"))
+    torch.save(trainer_state, folder / "trainer_state.pt")
+    (folder / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))
+
+
 def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: dict) -> Path:
     """Write checkpoints/step-NNNNNNN atomically; return its path."""
+    return write_folder_atomically(checkpoint_path(run_dir, step),
+                                   lambda tmp: write_checkpoint_files(tmp, step, model.state_dict(), trainer_state, meta))
 
-    def write(tmp: Path) -> None:
-        save_file(trainable_state(model), str(tmp / "drafter.safetensors"))
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))  # last: marks complete
 
-    return write_folder_atomically(Path(run_dir) / "checkpoints" / f"step-{step:07d}", write)
+def complete_partial(run_dir: Path, step: int, weights: dict, trainer_state: dict, meta: dict) -> Path:
+    """Rank 0: add our files to the partial folder the ranks wrote their DeepSpeed shards into, rename it."""
+    partial, final = partial_path(run_dir, step), checkpoint_path(run_dir, step)
+    write_checkpoint_files(partial, step, weights, trainer_state, meta)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    return final
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -34,6 +34,7 @@ from train.data import (  # noqa: E402
     training_example,
 )
 from train.checkpoint import latest_checkpoint  # noqa: E402
+from train.distributed import broadcast_object, full_parameters, make_accelerator, shutdown  # noqa: E402
 from train.drafter import MODES, BlockDrafter  # noqa: E402
 from train.eagle3 import Eagle3Drafter  # noqa: E402
 from train.export import save_drafter  # noqa: E402
@@ -174,14 +175,28 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
             "match_rate": speed["match_rate"], "tau_float32": exact["tau"], "acceptance_by_position": speed["acceptance_by_position"]}
 
 
-def distill(cfg: DistillConfig) -> dict:
-    """Run every stage; return and write DIR/results.json."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def prepare_examples(cfg: DistillConfig, target, run_dir: Path, accelerator) -> list[dict]:
+    """Rank 0 regenerates (within the data budget) while the others wait, then every rank reads the result."""
+    resuming = cfg.trainer.resume != "never" and (cfg.trainer.resume != "auto" or latest_checkpoint(run_dir) is not None)
+    if accelerator.is_main_process:
+        examples = build_examples(cfg, target, run_dir, cfg.budget.data_s, extend=not resuming)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        examples = build_examples(cfg, target, run_dir, 0.0, extend=False)
+    return examples
+
+
+def distill(cfg: DistillConfig) -> dict | None:
+    """Run every stage; return and write DIR/results.json (rank 0; other ranks return None)."""
+    accelerator = make_accelerator(cfg.trainer)  # first: a launcher/trainer disagreement fails before any loading
+    # Hydra names the default run folder by the clock, which can differ between ranks: rank 0's wins.
+    run_dir = Path(broadcast_object(accelerator, cfg.run_dir))
+    main = accelerator.is_main_process
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     stage_seconds, began = {}, time.perf_counter()
     target = load_target(cfg.target.name_or_path, "float32", cfg.target.threads)  # training reads fp32 features
-    resuming = cfg.trainer.resume != "never" and (cfg.trainer.resume != "auto" or latest_checkpoint(run_dir) is not None)
-    examples = build_examples(cfg, target, run_dir, cfg.budget.data_s, extend=not resuming)
+    examples = prepare_examples(cfg, target, run_dir, accelerator)
     stage_seconds["data"] = time.perf_counter() - began
     if len(examples) <= cfg.data.num_eval:
         raise ValueError(f"only {len(examples)} training examples; raise data.num_samples or the data budget")
@@ -191,27 +206,34 @@ def distill(cfg: DistillConfig) -> dict:
     if not all(0 <= layer < num_layers for layer in layers):
         raise ValueError(f"drafter.feature_layers={list(layers)} must lie in [0, {num_layers - 1}] (HF hidden-state "
                          f"indices; {num_layers} is the final-norm output, which serving engines do not expose)")
-    torch.manual_seed(cfg.trainer.seed)  # initial drafter weights depend on the seed only
+    torch.manual_seed(cfg.trainer.seed)  # initial drafter weights depend on the seed only (equal on every rank)
     drafter = build_drafter(cfg.drafter, target, train_examples, layers)
     if cfg.drafter.feature_scaling:
         fit_feature_scale(drafter, target.model, train_examples, layers, target.tokenizer.pad_token_id or 0)
     began = time.perf_counter()
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     summary = train(drafter, target.model, train_examples, eval_examples, layers, cfg.drafter.num_anchors, cfg.trainer,
-                    cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s)
+                    cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s, accelerator)
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
-    export = save_drafter(run_dir / "export", drafter, layers, target.model, cfg.target.name_or_path, target.path)
+    with full_parameters(accelerator, drafter):
+        export = save_drafter(run_dir / "export", drafter, layers, target.model, cfg.target.name_or_path,
+                              target.path) if main else None
+    accelerator.wait_for_everyone()
     stage_seconds["export"] = time.perf_counter() - began
-    began = time.perf_counter()
-    validation = validate(cfg, export, run_dir)
-    stage_seconds["validate"] = time.perf_counter() - began
-    results = {"export_path": str(export), **validation, "stage_seconds": stage_seconds, "train_steps": summary["steps"],
-               "train_tau_estimate": summary.get("train/tau_estimate"), "eval_tau_estimate": summary.get("eval/tau_estimate"),
-               "config": resolved}
-    tmp = run_dir / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, run_dir / "results.json")
+    results = None
+    if main:  # validation decodes on one process; the others are done
+        began = time.perf_counter()
+        validation = validate(cfg, export, run_dir)
+        stage_seconds["validate"] = time.perf_counter() - began
+        results = {"export_path": str(export), **validation, "stage_seconds": stage_seconds, "train_steps": summary["steps"],
+                   "train_tau_estimate": summary.get("train/tau_estimate"), "eval_tau_estimate": summary.get("eval/tau_estimate"),
+                   "train_tokens_per_s": summary.get("tokens_per_s"), "world_size": accelerator.num_processes,
+                   "config": resolved}
+        tmp = run_dir / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        os.replace(tmp, run_dir / "results.json")
+    shutdown(accelerator)
     return results
 
 
@@ -226,6 +248,8 @@ def main(config) -> None:
     except FloatingPointError as err:
         raise SystemExit(f"training stopped: {err}. The last good checkpoint is in {Path(cfg.run_dir) / 'checkpoints'}; "
                          "lower trainer.lr or enable clipping, then rerun (trainer.resume=auto)") from None
+    if results is None:  # not rank 0
+        return
     print("\nspecdraft distill — summary")
     for key in ("export_path", "lossless", "tau", "speedup_vs_plain", "match_rate", "train_steps", "eval_tau_estimate"):
         print(f"  {key:<20} {results[key]}")

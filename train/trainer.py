@@ -14,14 +14,16 @@ import dataclasses
 import hashlib
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import complete_partial, latest_checkpoint, load_checkpoint, partial_path, save_checkpoint
 from train.config import TrackingConfig, TrainerConfig
+from train.distributed import is_deepspeed, make_accelerator
 from train.signals import SignalCache, target_signals
 from train.step import Batch, LossSettings, distill_step, weight_sum
 
@@ -124,39 +126,104 @@ def _resume_from(cfg: TrainerConfig, run_dir: Path) -> Path | None:
     return Path(cfg.resume)
 
 
+def _check_resumable(resume: Path, meta: dict, fingerprint: str, num_examples: int, layout: dict) -> None:
+    """Refuse a checkpoint made from other data, or by another process layout (ZeRO shards do not re-split)."""
+    if meta.get("data_fingerprint", fingerprint) != fingerprint:
+        raise ValueError(
+            f"checkpoint {resume} was trained on {meta['num_examples']} examples (fingerprint "
+            f"{meta['data_fingerprint']}) but {num_examples} are given now ({fingerprint}): the data "
+            "changed, so the batches would too. Resume with the same data, or start afresh "
+            "(trainer.resume=never, or another hydra.run.dir)"
+        )
+    written = {key: meta.get(key, default) for key, default in (("deepspeed_zero_stage", None), ("world_size", 1))}
+    if layout["deepspeed_zero_stage"] is not None or written["deepspeed_zero_stage"] is not None:
+        if written != layout:
+            raise ValueError(f"checkpoint {resume} was written by a run with {written}, this run has {layout}: "
+                             "DeepSpeed's partitioned optimizer state only resumes under the same launch "
+                             "(same accelerate config and number of processes)")
+
+
+def _save(accelerator, engine, run_dir: Path, step: int, drafter, trainer_state: dict, meta: dict) -> None:
+    """Checkpoint on rank 0; under DeepSpeed every rank first writes its optimizer shard."""
+    if engine is None:
+        if accelerator.is_main_process:
+            save_checkpoint(run_dir, step, drafter, trainer_state, meta)
+        return
+    partial = partial_path(run_dir, step)
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    engine.save_checkpoint(str(partial / "deepspeed"), tag="zero", save_latest=False)
+    weights = accelerator.get_state_dict(engine)  # gathered across ranks under ZeRO-3 (a collective)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        complete_partial(run_dir, step, weights, trainer_state, meta)
+    accelerator.wait_for_everyone()
+
+
+def _deepspeed_backward(engine, loss: torch.Tensor, averaged_over: int, last: bool) -> None:
+    """Backward of one micro-batch under DeepSpeed; the engine reduces, clips and steps after the last one.
+
+    DeepSpeed averages gradients over ranks and micro-batches, but our loss is already this micro-batch's
+    share of the global sum-normalised loss: scaling by their number keeps the gradient of a 1-process run.
+    The boundary is set explicitly (accelerate's backward would step the engine after every micro-batch).
+    """
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss * averaged_over)
+    engine.step()
+
+
+def _by_position(metrics: dict) -> dict:
+    """Acceptance estimate α_k of each block position, for the tracker's per-position curves."""
+    return {f"train/alpha_{k + 1}": value for k, value in enumerate(metrics.get("alpha_by_position", []))}
+
+
+def _throughput(tokens: int, seconds: float, samples: int) -> dict:
+    import resource
+
+    return {"train/tokens_per_s": tokens / max(seconds, 1e-9), "train/samples_per_s": samples / max(seconds, 1e-9),
+            "train/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            **({"train/cuda_max_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {})}
+
+
 def train(drafter, target_model, train_examples, eval_examples, feature_layers, num_anchors: int,
           cfg: TrainerConfig, tracking: TrackingConfig, run_dir: Path, config: dict, pad_id: int,
-          time_budget_s: float | None = None) -> dict:
-    """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds)."""
-    from accelerate import Accelerator
+          time_budget_s: float | None = None, accelerator=None) -> dict:
+    """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples)."""
     from transformers import get_cosine_schedule_with_warmup
 
-    accelerator = Accelerator(mixed_precision="bf16" if cfg.bf16 else "no", cpu=not torch.cuda.is_available())
+    accelerator = accelerator or make_accelerator(cfg)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    layout = {"deepspeed_zero_stage": accelerator.state.deepspeed_plugin.zero_stage if is_deepspeed(accelerator) else None,
+              "world_size": world}
     torch.manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
-    start_step = 0
-    fingerprint = data_fingerprint(train_examples)
+    start_step, fingerprint = 0, data_fingerprint(train_examples)
     resume = _resume_from(cfg, run_dir)
     if resume is not None:
         state, meta = load_checkpoint(resume, drafter)
-        if meta.get("data_fingerprint", fingerprint) != fingerprint:
-            raise ValueError(
-                f"checkpoint {resume} was trained on {meta['num_examples']} examples (fingerprint "
-                f"{meta['data_fingerprint']}) but {len(train_examples)} are given now ({fingerprint}): the data "
-                "changed, so the batches would too. Resume with the same data, or start afresh "
-                "(trainer.resume=never, or another hydra.run.dir)"
-            )
-        optimizer.load_state_dict(state["optimizer"])
+        _check_resumable(resume, meta, fingerprint, len(train_examples), layout)
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         start_step = meta["step"]
-        accelerator.print(f"resumed from {resume} at step {start_step}")
     device = accelerator.device
-    model = drafter.to(device)
     target_model.to(device)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    engine = None
+    if is_deepspeed(accelerator):
+        # DeepSpeed owns the reduction, clipping and optimizer step; the step function still calls the
+        # drafter's own methods (ZeRO-1/2 hooks sit on the parameters, so that is enough).
+        engine, _ = accelerator.prepare(drafter, optimizer)
+        if resume is not None:
+            engine.load_checkpoint(str(resume / "deepspeed"), tag="zero", load_optimizer_states=True,
+                                   load_lr_scheduler_states=False, load_module_strict=False)
+    if resume is not None:
+        accelerator.print(f"resumed from {resume} at step {start_step}")
+    model = drafter.to(device)
     per_step = cfg.batch_size * cfg.grad_accum * world
     if len(train_examples) < per_step:
         raise ValueError(
@@ -165,40 +232,55 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         )
     signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
     run = _start_tracking(tracking, run_dir, config) if accelerator.is_main_process else None
-    summary, began = {"steps": start_step, "loss_history": []}, time.perf_counter()
+    summary = {"steps": start_step, "loss_history": [], "rank": rank, "world_size": world, "examples_seen": []}
+    trained_tokens = 0
+    began = time.perf_counter()
     bar = tqdm(range(start_step, cfg.steps), desc="train", disable=not accelerator.is_main_process, mininterval=5)
     model.train()
     for step in bar:
+        step_began = time.perf_counter()
         epoch, indices = global_batch_indices(len(train_examples), step, per_step, cfg.seed)
         micro = [indices[i : i + cfg.batch_size] for i in range(0, len(indices), cfg.batch_size)]
         mine = micro[rank::world]  # this rank's micro-batches of the global step
+        summary["examples_seen"].append([i for m in mine for i in m])
         batches = [_to(make_batch(train_examples, m, epoch, cfg.seed, pad_id), device) for m in mine]
         local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode == "eagle3") for b in batches)
         total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32, device=device), reduction="sum")
         step_loss = torch.zeros((), device=device)
-        for batch in batches:
+        for position, batch in enumerate(batches):
             with accelerator.autocast():
                 loss, metrics = distill_step(model, target_model, batch, feature_layers, num_anchors, _settings(cfg), total, signals)
-            accelerator.backward(loss)
+            if engine is None:
+                accelerator.backward(loss)
+            else:
+                _deepspeed_backward(engine, loss, world * cfg.grad_accum, last=position == len(batches) - 1)
             step_loss += loss.detach()
-        _all_reduce_gradients(params, world)
-        step_loss = accelerator.reduce(step_loss, reduction="sum")  # the global step loss
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
-        optimizer.step()
+        if engine is None:
+            _all_reduce_gradients(params, world)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:  # the engine stepped (and clipped) inside the last backward of the step
+            grad_norm = float(engine.get_global_grad_norm() or 0.0)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        done = step + 1
+        step_loss = accelerator.reduce(step_loss, reduction="sum")  # the global step loss
+        tokens = accelerator.reduce(torch.tensor(float(sum(int(b.attention_mask.sum()) for b in batches)), device=device),
+                                    reduction="sum")
+        done, trained_tokens = step + 1, trained_tokens + int(tokens)
         logged = {"train/loss": float(step_loss), "train/tau_estimate": metrics["tau_estimate"],
                   "train/tau_greedy": metrics["tau_greedy"], "train/lr": scheduler.get_last_lr()[0],
-                  "train/grad_norm": float(grad_norm)}
+                  "train/grad_norm": grad_norm, **_by_position(metrics),
+                  **_throughput(int(tokens), time.perf_counter() - step_began, per_step)}
         # Every rank must agree on stopping, or one would wait forever in the next collective.
         late = time_budget_s is not None and time.perf_counter() - began > time_budget_s
         out_of_time = bool(accelerator.reduce(torch.tensor(float(late), device=device), reduction="sum") > 0)
         # Checkpoint before evaluating or logging, so a failure there cannot lose the step.
-        if accelerator.is_main_process and (done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time):
-            state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
-            save_checkpoint(run_dir, done, model, state, {"examples_seen": done * per_step, "num_examples": len(train_examples),
-                                                                "data_fingerprint": fingerprint})
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
+            state = {"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                     **({"optimizer": optimizer.state_dict()} if engine is None else {})}
+            _save(accelerator, engine, run_dir, done, model, state, {
+                "examples_seen": done * per_step, "num_examples": len(train_examples), "data_fingerprint": fingerprint,
+                **layout})
         if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
             logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals))
         if run is not None:
@@ -213,5 +295,5 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
     if run is not None:
         run.finish()
     summary["seconds"] = time.perf_counter() - began
+    summary["tokens_per_s"] = trained_tokens / max(summary["seconds"], 1e-9)  # all ranks, evaluation included
     return summary
-

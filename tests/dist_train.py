@@ -1,0 +1,69 @@
+"""Launched by tests/test_distributed.py under `accelerate launch`: trains a tiny drafter with the real trainer.
+
+Argument: a JSON object {run_dir, report_dir, trainer: {TrainerConfig fields}}. Each rank writes
+report_dir/rank{R}.json (world size, rank, examples seen, losses, files it wrote under run_dir) and
+report_dir/rank{R}.safetensors (its drafter weights), so the test can compare ranks and runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# Run as a script, Python puts tests/ first on sys.path; use the repository root instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from tests.conftest import tiny_llama  # noqa: E402
+from tests.test_trainer import examples, fresh_drafter  # noqa: E402
+from train.config import TrackingConfig, TrainerConfig  # noqa: E402
+from train.distributed import full_parameters, make_accelerator, shutdown  # noqa: E402
+
+
+def record_writes(run_dir: Path, log: list) -> None:
+    """Log every file this process writes under run_dir (torch.save, safetensors, write_text)."""
+    import train.checkpoint as checkpoint
+
+    def wrap(fn, path_arg):
+        def inner(*args, **kwargs):
+            path = Path(str(args[path_arg])).resolve()
+            if path.is_relative_to(run_dir.resolve()):
+                log.append(str(path.relative_to(run_dir.resolve())))
+            return fn(*args, **kwargs)
+        return inner
+
+    torch.save = wrap(torch.save, 1)
+    checkpoint.save_file = wrap(checkpoint.save_file, 1)
+    Path.write_text = wrap(Path.write_text, 0)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    run_dir, report_dir = Path(spec["run_dir"]), Path(spec["report_dir"])
+    cfg = TrainerConfig(**spec["trainer"])
+    accelerator = make_accelerator(cfg)
+    writes: list[str] = []
+    record_writes(run_dir, writes)
+    from train.trainer import train
+
+    target = tiny_llama(0)
+    drafter = fresh_drafter(target)
+    summary = train(drafter, target, examples(8), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
+                    run_dir, {}, pad_id=0, accelerator=accelerator)
+    rank = accelerator.process_index
+    report_dir.mkdir(parents=True, exist_ok=True)
+    with full_parameters(accelerator, drafter):  # ZeRO-3 leaves each rank a shard
+        weights = {k: v.detach().clone().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(weights, str(report_dir / f"rank{rank}.safetensors"))
+    report = {key: summary[key] for key in ("rank", "world_size", "examples_seen", "loss_history", "steps")}
+    report["writes"] = writes
+    report["distributed_type"] = str(accelerator.distributed_type)
+    (report_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    shutdown(accelerator)
+
+
+if __name__ == "__main__":
+    main()
