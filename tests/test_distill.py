@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from tests.conftest import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-DISTILL_GROUPS = {"drafter": ["dflash", "dspark", "eagle3"], "trainer": ["default"], "tracking": ["disabled", "offline"],
+DISTILL_GROUPS = {"drafter": ["dflash", "dspark", "eagle3", "standalone"], "trainer": ["default"], "tracking": ["disabled", "offline"],
                   "experiment": ["smoke", "cpu_full"], "data": ["jsonl", "sharegpt"], "target": ["smollm2_135m"]}
 
 
@@ -30,7 +30,7 @@ def compose_distill(overrides):
 @pytest.mark.parametrize("group,option", [(g, o) for g, options in DISTILL_GROUPS.items() for o in options])
 def test_every_distill_option_composes(group, option):
     cfg = compose_distill([f"{group}={option}"] + (["data.path=x"] if option == "jsonl" else []))
-    assert cfg.drafter.mode in ("dspark", "dflash", "eagle3")
+    assert cfg.drafter.mode in ("dspark", "dflash", "eagle3", "standalone")
 
 
 def test_dflash_mode_sets_ce_only_loss():
@@ -126,3 +126,34 @@ def test_tiny_end_to_end_two_processes(tmp_path, chat_file, tiny_model_dir):
     assert results["train_tokens_per_s"] > 0
     assert len((run_dir / "data" / "responses.jsonl").read_text().splitlines()) == 10  # regenerated once, by rank 0
     assert proc.stdout.count("specdraft distill — summary") == 1  # printed by rank 0 only
+
+
+def test_tiny_standalone_drafter_end_to_end(tmp_path, chat_file, tiny_model_dir):
+    """drafter=standalone: LoRA on the target's first layer, merged into a plain HF model that HF assisted
+    generation loads as its assistant and that decodes losslessly in our engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w3 w4 w5"}) + "\n")
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "drafter=standalone", "drafter.standalone_layers=1",
+           "drafter.lora_rank=4", "experiment=smoke", f"target.name_or_path={tiny_model_dir}", "data=jsonl",
+           f"data.path={chat_file}", "drafter.feature_layers=[0,1]", "validate.data=jsonl", f"validate.data_path={prompts}",
+           "validate.num_prompts=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["lossless"] is True and results["train_steps"] == 6
+    export = run_dir / "export"
+    draft = AutoModelForCausalLM.from_pretrained(export).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert draft.config.num_hidden_layers == 1 and not any("lora" in k for k in draft.state_dict())
+    assert (export / "tokenizer.json").is_file()
+    # The adapters were trained and merged: the layer differs from the target's own first layer.
+    assert not torch.equal(draft.model.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)
+    prompt = torch.tensor([[1, 4, 9, 10, 11, 2]])
+    with torch.inference_mode():
+        plain = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assisted = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=draft)
+    assert torch.equal(plain, assisted)

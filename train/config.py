@@ -40,7 +40,7 @@ class TrainDataConfig:
 
 @dataclass
 class DrafterConfig:
-    """The drafter architecture: mode dspark | dflash | eagle3."""
+    """The drafter architecture: mode dspark | dflash | eagle3 | standalone."""
 
     mode: str = "dspark"
     num_layers: int = 1  # draft layers of a block drafter (an Eagle-3 head has one)
@@ -57,6 +57,10 @@ class DrafterConfig:
     feature_scaling: bool = False
     # Start the draft layers from the target's last layers and its final norm (block drafters only).
     init_from_target: bool = False
+    # drafter=standalone: the target's first k layers with LoRA adapters (peft) of this rank and alpha.
+    standalone_layers: int = 4
+    lora_rank: int = 16
+    lora_alpha: int = 32
 
 
 @dataclass
@@ -84,6 +88,18 @@ class TrainerConfig:
     # Keep each sequence's target features/distributions in memory after its first forward, so later
     # epochs skip the target (float32, ~44 KB per token with 5 layers of 576 and an 8k draft vocabulary).
     cache_target_gb: float = 4.0  # 0: a target forward for every batch
+
+
+@dataclass
+class FeatureCacheConfig:
+    """Offline target features (train/feature_cache.py): built once by the `features` stage, then read
+    memory-mapped instead of running the target for every batch."""
+
+    path: str | None = None  # a cache folder; None: online features (a target forward per batch)
+    form: str = "full"  # full: the target's draft-vocabulary distribution | topk: its top_k tokens only
+    top_k: int | None = None
+    dtype: str = "bfloat16"  # storage dtype of features and probabilities
+    shard_examples: int = 128  # sequences per safetensors shard
 
 
 @dataclass

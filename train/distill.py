@@ -25,7 +25,14 @@ import torch  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from train.config import DrafterConfig, TargetConfig, TrackingConfig, TrainDataConfig, TrainerConfig  # noqa: E402
+from train.config import (  # noqa: E402
+    DrafterConfig,
+    FeatureCacheConfig,
+    TargetConfig,
+    TrackingConfig,
+    TrainDataConfig,
+    TrainerConfig,
+)
 from train.data import (  # noqa: E402
     chat_prompt_ids,
     frequent_token_ids,
@@ -37,10 +44,12 @@ from train.checkpoint import latest_checkpoint  # noqa: E402
 from train.distributed import broadcast_object, full_parameters, make_accelerator, shutdown  # noqa: E402
 from train.drafter import MODES, BlockDrafter  # noqa: E402
 from train.eagle3 import Eagle3Drafter  # noqa: E402
+from train.standalone import StandaloneDrafter  # noqa: E402
 from train.export import save_drafter  # noqa: E402
+from train.feature_cache import FeatureCache, cache_fingerprint, read_manifest, write_manifest, write_shards  # noqa: E402
 from train.regenerate import read_done, regenerate  # noqa: E402
 from train.target import default_feature_layers, load_target, target_features  # noqa: E402
-from train.trainer import make_batch, train  # noqa: E402
+from train.trainer import data_fingerprint, make_batch, train  # noqa: E402
 
 
 @dataclass
@@ -70,6 +79,7 @@ class DistillConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
+    features: FeatureCacheConfig = field(default_factory=FeatureCacheConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
 
@@ -119,8 +129,10 @@ def build_examples(cfg: DistillConfig, target, run_dir: Path, budget_s: float, e
 
 def build_drafter(cfg: DrafterConfig, target, examples, feature_layers) -> BlockDrafter | Eagle3Drafter:
     """A fresh drafter with the target's frozen embeddings/LM head and the chosen draft vocabulary."""
-    if cfg.mode not in (*MODES, "eagle3"):
-        raise ValueError(f"drafter.mode={cfg.mode!r} is unknown; choose one of {[*MODES, 'eagle3']} (or drafter=NAME)")
+    if cfg.mode not in (*MODES, "eagle3", "standalone"):
+        raise ValueError(f"drafter.mode={cfg.mode!r} is unknown; choose one of {[*MODES, 'eagle3', 'standalone']} (or drafter=NAME)")
+    if cfg.mode == "standalone":  # the target's vocabulary and tokenizer, so no draft vocabulary or mask token
+        return StandaloneDrafter(target.model, cfg.standalone_layers, cfg.lora_rank, cfg.lora_alpha)
     mask_token = next((t for t in (cfg.mask_token_id, target.tokenizer.pad_token_id, target.tokenizer.eos_token_id) if t is not None), None)
     if mask_token is None:
         raise ValueError("the tokenizer has no pad or eos token to reuse as the mask token; set drafter.mask_token_id")
@@ -161,7 +173,7 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
     def bench(dtype: str, name: str) -> dict:
         bench_cfg = BenchConfig(
             target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads),
-            proposer=ProposerConfig(name="drafter", path=str(export)),
+            proposer=ProposerConfig(name="model" if cfg.drafter.mode == "standalone" else "drafter", path=str(export)),
             data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
             decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
             bench=BenchSettings(num_prompts=cfg.validate.num_prompts, seed=cfg.trainer.seed, baselines=False),
@@ -184,6 +196,24 @@ def prepare_examples(cfg: DistillConfig, target, run_dir: Path, accelerator) -> 
     if not accelerator.is_main_process:
         examples = build_examples(cfg, target, run_dir, 0.0, extend=False)
     return examples
+
+
+def feature_cache(cfg: DistillConfig, target, examples: list[dict], layers, drafter, accelerator) -> FeatureCache:
+    """Open features.path, building it first if it has no manifest (every rank writes its share of the shards)."""
+    path = Path(cfg.features.path)
+    fingerprint = cache_fingerprint(target.model, cfg.target.name_or_path, layers, drafter.draft_to_target,
+                                    data_fingerprint(examples))
+    if read_manifest(path) is None:
+        write_shards(path, target.model, examples, layers, drafter.draft_to_target, form=cfg.features.form,
+                     dtype=cfg.features.dtype, top_k=cfg.features.top_k, batch_size=cfg.trainer.batch_size,
+                     shard_examples=cfg.features.shard_examples, rank=accelerator.process_index, world=accelerator.num_processes)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            manifest = write_manifest(path, fingerprint, examples, cfg.features.form, cfg.features.dtype, cfg.features.top_k)
+            print(f"feature cache {path}: {manifest['num_tokens']} tokens, {manifest['bytes'] / 2**20:.1f} MiB, "
+                  f"{manifest['bytes_per_token']:.0f} bytes per token")
+        accelerator.wait_for_everyone()
+    return FeatureCache(path, fingerprint)
 
 
 def distill(cfg: DistillConfig) -> dict | None:
@@ -210,10 +240,16 @@ def distill(cfg: DistillConfig) -> dict | None:
     drafter = build_drafter(cfg.drafter, target, train_examples, layers)
     if cfg.drafter.feature_scaling:
         fit_feature_scale(drafter, target.model, train_examples, layers, target.tokenizer.pad_token_id or 0)
+    signals = None
+    if cfg.features.path:
+        began = time.perf_counter()
+        signals = feature_cache(cfg, target, examples, layers, drafter, accelerator)
+        stage_seconds["features"] = time.perf_counter() - began
     began = time.perf_counter()
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     summary = train(drafter, target.model, train_examples, eval_examples, layers, cfg.drafter.num_anchors, cfg.trainer,
-                    cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s, accelerator)
+                    cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s, accelerator,
+                    signals)
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
     with full_parameters(accelerator, drafter):

@@ -31,7 +31,13 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_l
     """Write the export atomically: speculators checkpoint + sidecar."""
 
     def write(tmp: Path) -> None:
-        export_speculators(drafter, feature_layers, verifier_path, target_model.config, tmp)
+        if getattr(drafter, "mode", None) == "standalone":  # a plain HF model + the target's tokenizer
+            from transformers import AutoTokenizer
+
+            drafter.merged().save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(verifier_path).save_pretrained(tmp)
+        else:
+            export_speculators(drafter, feature_layers, verifier_path, target_model.config, tmp)
         sidecar = {"target": target_signature(target_model, target_name), "feature_layers": list(feature_layers)}
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2))
 

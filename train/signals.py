@@ -22,6 +22,18 @@ def target_signals(target_model, input_ids, attention_mask, feature_layers, draf
     return features, draft_probs, 1 - draft_probs.sum(-1)
 
 
+def pad_rows(rows: list[tuple], batch: int, width: int) -> tuple:
+    """Per-sequence (features, probs, outside) right-padded to (B, T, ...) each; padded positions carry no loss."""
+    out = []
+    for part in range(len(rows[0])):
+        first = rows[0][part]
+        padded = first.new_zeros((batch, width, *first.shape[1:]))
+        for b, row in enumerate(rows):
+            padded[b, : row[part].shape[0]] = row[part]
+        out.append(padded)
+    return tuple(out)
+
+
 class SignalCache:
     """`target_signals` with per-sequence results kept in memory (keyed by the sequence's tokens)."""
 
@@ -47,13 +59,4 @@ class SignalCache:
             if self.bytes + size <= self.max_bytes:
                 self.store[key] = tuple(t.clone() for t in value)
                 self.bytes += size
-        # Right-pad back to the batch's width; padded positions are never read (no loss there).
-        batch, width = input_ids.shape
-        out = []
-        for part in range(3):
-            first = rows[0][part]
-            padded = first.new_zeros((batch, width, *first.shape[1:]))
-            for b, row in enumerate(rows):
-                padded[b, : row[part].shape[0]] = row[part]
-            out.append(padded)
-        return tuple(out)
+        return pad_rows(rows, *input_ids.shape)

@@ -74,22 +74,27 @@ def _start_tracking(tracking: TrackingConfig, run_dir: Path, config: dict):
 
 @torch.no_grad()
 def evaluate(drafter, target_model, examples, feature_layers, cfg: TrainerConfig, num_anchors: int, pad_id: int,
-             signals=target_signals) -> dict:
-    """Held-out loss and tau estimates, averaged over fixed-seed batches."""
+             signals=target_signals, accelerator=None) -> dict:
+    """Held-out loss and tau estimates, averaged over fixed-seed batches (shared out across ranks)."""
     drafter.eval()
-    totals, batches = {}, 0
-    for start in range(0, len(examples), cfg.batch_size):
+    keys = ("loss", "ce", "l1", "tau_estimate", "tau_greedy")
+    totals = torch.zeros(len(keys) + 1)  # per key, then the batch count
+    # Ranks share the batches out, except under ZeRO-3, where every forward gathers parameters collectively
+    # and so must run on all ranks in lockstep.
+    lockstep = accelerator is None or (is_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    rank, world = (0, 1) if lockstep else (accelerator.process_index, accelerator.num_processes)
+    starts = list(range(0, len(examples), cfg.batch_size))
+    for start in starts[rank::world]:
         indices = list(range(start, min(start + cfg.batch_size, len(examples))))
         batch = _to(make_batch(examples, indices, 0, cfg.seed + 1, pad_id), drafter.draft_to_target.device)
         # Always teacher-forced, so held-out figures compare across trainer.markov_inputs settings.
         settings = dataclasses.replace(_settings(cfg), markov_inputs="teacher")
         loss, metrics = distill_step(drafter, target_model, batch, feature_layers, num_anchors, settings, signals=signals)
-        for key in ("ce", "l1", "tau_estimate", "tau_greedy"):
-            totals[key] = totals.get(key, 0.0) + metrics[key]
-        totals["loss"] = totals.get("loss", 0.0) + float(loss)
-        batches += 1
+        totals += torch.tensor([float(loss), *(metrics[k] for k in keys[1:]), 1.0])
+    if world > 1:
+        totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    return {f"eval/{k}": v / max(batches, 1) for k, v in totals.items()}
+    return {f"eval/{k}": float(totals[i] / max(float(totals[-1]), 1.0)) for i, k in enumerate(keys)}
 
 
 def _to(batch: Batch, device) -> Batch:
@@ -189,8 +194,9 @@ def _throughput(tokens: int, seconds: float, samples: int) -> dict:
 
 def train(drafter, target_model, train_examples, eval_examples, feature_layers, num_anchors: int,
           cfg: TrainerConfig, tracking: TrackingConfig, run_dir: Path, config: dict, pad_id: int,
-          time_budget_s: float | None = None, accelerator=None) -> dict:
-    """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples)."""
+          time_budget_s: float | None = None, accelerator=None, signals=None) -> dict:
+    """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples).
+    `signals` replaces the online target features (e.g. a train.feature_cache.FeatureCache)."""
     from transformers import get_cosine_schedule_with_warmup
 
     accelerator = accelerator or make_accelerator(cfg)
@@ -230,7 +236,8 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
             f"{len(train_examples)} training examples cannot fill one optimizer step of {per_step} "
             f"(trainer.batch_size x trainer.grad_accum x {world} processes); add data or lower the batch"
         )
-    signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
+    if signals is None:
+        signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
     run = _start_tracking(tracking, run_dir, config) if accelerator.is_main_process else None
     summary = {"steps": start_step, "loss_history": [], "rank": rank, "world_size": world, "examples_seen": []}
     trained_tokens = 0
@@ -244,7 +251,8 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         mine = micro[rank::world]  # this rank's micro-batches of the global step
         summary["examples_seen"].append([i for m in mine for i in m])
         batches = [_to(make_batch(train_examples, m, epoch, cfg.seed, pad_id), device) for m in mine]
-        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode == "eagle3") for b in batches)
+        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode == "eagle3",
+                               model.mode == "standalone") for b in batches)
         total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32, device=device), reduction="sum")
         step_loss = torch.zeros((), device=device)
         for position, batch in enumerate(batches):
@@ -282,7 +290,8 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
                 "examples_seen": done * per_step, "num_examples": len(train_examples), "data_fingerprint": fingerprint,
                 **layout})
         if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
-            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals))
+            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals,
+                                   accelerator))
         if run is not None:
             run.log(logged, step=done)
         bar.set_postfix(loss=f"{logged['train/loss']:.3f}", tau=f"{metrics['tau_estimate']:.2f}")
