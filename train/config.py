@@ -35,6 +35,11 @@ class TrainDataConfig:
     regen_temperature: float = 0.0
     regen_max_new_tokens: int = 96
     regen_batch_size: int = 16
+    # Regenerate through an OpenAI-compatible server (e.g. vLLM/SGLang: http://HOST:8000/v1) instead of the local
+    # target; every process sends its share. regen_server_model: the served model's name (None: target.name_or_path).
+    regen_server: str | None = None
+    regen_server_model: str | None = None
+    regen_concurrency: int = 8
     cache_dir: str | None = None  # folder of responses.jsonl; None: DIR/data (share one to train modes on the same data)
 
 
