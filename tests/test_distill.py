@@ -68,11 +68,17 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
     prompts.write_text(json.dumps({"prompt": "w3 w4 w5"}) + "\n" + json.dumps({"prompt": "w9 w9"}) + "\n")
     cmd = [sys.executable, str(REPO / "train" / "distill.py"), f"drafter={drafter}", "experiment=smoke", f"target.name_or_path={tiny_model_dir}",
            "data=jsonl", f"data.path={chat_file}", "drafter.draft_vocab_size=32", "drafter.feature_layers=[0,1]",
-           "validate.data=jsonl", f"validate.data_path={prompts}", f"hydra.run.dir={run_dir}"]
+           "validate.data=jsonl", f"validate.data_path={prompts}", "tracking.wandb_mode=offline", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((run_dir / "results.json").read_text())
     assert results["lossless"] is True and results["train_steps"] == 6
+    # W&B (offline): throughput, memory, alpha by position, held-out tau, validation and the export as an artifact.
+    (record,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = record.read_bytes()
+    for name in (b"train/tokens_per_s", b"train/max_rss_gb", b"train/alpha_1", b"eval/tau_estimate",
+                 b"validate/lossless", f"drafter-{drafter}".encode(), b"model.safetensors"):
+        assert name in logged, name
     assert results["eval_tau_estimate"] is not None and results["export_path"] == str(run_dir / "export")
     assert set(results["stage_seconds"]) == {"data", "train", "export", "validate"}
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "specdraft.json").is_file()

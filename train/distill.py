@@ -50,7 +50,7 @@ from train.feature_cache import FeatureCache, cache_fingerprint, read_manifest, 
 from train.regenerate import regenerate  # noqa: E402
 from train.regenerate_server import read_all_done, regenerate_via_server  # noqa: E402
 from train.target import default_feature_layers, load_target, target_features  # noqa: E402
-from train.trainer import data_fingerprint, make_batch, train  # noqa: E402
+from train.trainer import data_fingerprint, make_batch, start_tracking, train  # noqa: E402
 
 
 @dataclass
@@ -228,6 +228,17 @@ def feature_cache(cfg: DistillConfig, target, examples: list[dict], layers, draf
     return FeatureCache(path, fingerprint)
 
 
+def track_results(tracker, results: dict, export: Path, mode: str) -> None:
+    """Validation figures into the W&B summary, the export as a model artifact; then close the run."""
+    import wandb
+
+    tracker.summary.update({f"validate/{k}": v for k, v in results.items() if isinstance(v, (int, float, bool)) or v is None})
+    artifact = wandb.Artifact(f"drafter-{mode}", type="model", metadata={"tau": results.get("tau"), "lossless": results.get("lossless")})
+    artifact.add_dir(str(export))
+    tracker.log_artifact(artifact)
+    tracker.finish()
+
+
 def distill(cfg: DistillConfig) -> dict | None:
     """Run every stage; return and write DIR/results.json (rank 0; other ranks return None)."""
     accelerator = make_accelerator(cfg.trainer)  # first: a launcher/trainer disagreement fails before any loading
@@ -259,9 +270,10 @@ def distill(cfg: DistillConfig) -> dict | None:
         stage_seconds["features"] = time.perf_counter() - began
     began = time.perf_counter()
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    tracker = start_tracking(cfg.tracking, run_dir, resolved) if main else None
     summary = train(drafter, target.model, train_examples, eval_examples, layers, cfg.drafter.num_anchors, cfg.trainer,
                     cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s, accelerator,
-                    signals)
+                    signals, tracker)
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
     with full_parameters(accelerator, drafter):
@@ -281,6 +293,8 @@ def distill(cfg: DistillConfig) -> dict | None:
         tmp = run_dir / "results.json.tmp"
         tmp.write_text(json.dumps(results, indent=2) + "\n")
         os.replace(tmp, run_dir / "results.json")
+        if tracker is not None:
+            track_results(tracker, results, export, cfg.drafter.mode)
     shutdown(accelerator)
     return results
 

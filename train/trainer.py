@@ -61,7 +61,8 @@ def data_fingerprint(examples: list[dict]) -> str:
     return f"{len(examples)}:{digest.hexdigest()[:16]}"
 
 
-def _start_tracking(tracking: TrackingConfig, run_dir: Path, config: dict):
+def start_tracking(tracking: TrackingConfig, run_dir: Path, config: dict):
+    """A W&B run (offline unless configured) with the resolved config, or None when tracking is disabled."""
     if tracking.wandb_mode == "disabled":
         return None
     import wandb
@@ -194,9 +195,10 @@ def _throughput(tokens: int, seconds: float, samples: int) -> dict:
 
 def train(drafter, target_model, train_examples, eval_examples, feature_layers, num_anchors: int,
           cfg: TrainerConfig, tracking: TrackingConfig, run_dir: Path, config: dict, pad_id: int,
-          time_budget_s: float | None = None, accelerator=None, signals=None) -> dict:
+          time_budget_s: float | None = None, accelerator=None, signals=None, tracker=None) -> dict:
     """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples).
-    `signals` replaces the online target features (e.g. a train.feature_cache.FeatureCache)."""
+    `signals` replaces the online target features (e.g. a train.feature_cache.FeatureCache); `tracker`, a W&B
+    run the caller owns (rank 0), is logged to and left open; without it the trainer starts and finishes its own."""
     from transformers import get_cosine_schedule_with_warmup
 
     accelerator = accelerator or make_accelerator(cfg)
@@ -238,7 +240,8 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         )
     if signals is None:
         signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
-    run = _start_tracking(tracking, run_dir, config) if accelerator.is_main_process else None
+    own_tracker = tracker is None
+    run = (start_tracking(tracking, run_dir, config) if own_tracker else tracker) if accelerator.is_main_process else None
     summary = {"steps": start_step, "loss_history": [], "rank": rank, "world_size": world, "examples_seen": []}
     trained_tokens = 0
     began = time.perf_counter()
@@ -301,7 +304,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
             accelerator.print(f"time budget of {time_budget_s:.0f}s reached at step {done}; stopping after a checkpoint")
             break
     accelerator.wait_for_everyone()
-    if run is not None:
+    if run is not None and own_tracker:
         run.finish()
     summary["seconds"] = time.perf_counter() - began
     summary["tokens_per_s"] = trained_tokens / max(summary["seconds"], 1e-9)  # all ranks, evaluation included
