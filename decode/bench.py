@@ -144,7 +144,7 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt)
     if not prompts:
         raise ValueError(f"no prompts: data={cfg.data.name} from index {cfg.bench.first_prompt} is empty")
-    target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads)
+    target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads, cfg.target.device)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
     calibration = attach_calibration(cfg, proposer)
     strip_generation_defaults(target.model)

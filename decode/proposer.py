@@ -193,7 +193,7 @@ def load_model_proposer(path: str, num_layers: int | None, target) -> tuple[Mode
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=target.dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
-    model.eval().requires_grad_(False)
+    model.to(target.model.device).eval().requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):

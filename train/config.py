@@ -16,6 +16,7 @@ class TargetConfig:
     name_or_path: str = "smollm2-135m-instruct"
     dtype: str = "bfloat16"  # float32 for exactness checks; bfloat16 for speed
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    device: str = "auto"  # auto: cuda when available, else cpu (training always follows accelerate's device)
 
 
 @dataclass

@@ -180,7 +180,7 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
 
     def bench(dtype: str, name: str) -> dict:
         bench_cfg = BenchConfig(
-            target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads),
+            target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads, cfg.target.device),
             proposer=ProposerConfig(name="model" if cfg.drafter.mode == "standalone" else "drafter", path=str(export)),
             data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
             decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
@@ -248,7 +248,9 @@ def distill(cfg: DistillConfig) -> dict | None:
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     stage_seconds, began = {}, time.perf_counter()
-    target = load_target(cfg.target.name_or_path, "float32", cfg.target.threads)  # training reads fp32 features
+    # Training reads fp32 features; each process loads the target straight onto its own device.
+    device = str(accelerator.device) if cfg.target.device == "auto" else cfg.target.device
+    target = load_target(cfg.target.name_or_path, "float32", cfg.target.threads, device)
     examples = prepare_examples(cfg, target, run_dir, accelerator)
     stage_seconds["data"] = time.perf_counter() - began
     if len(examples) <= cfg.data.num_eval:

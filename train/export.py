@@ -69,4 +69,4 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
         raise ValueError(f"drafter export {path} is corrupt or incomplete ({type(err).__name__}: {err})") from None
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-    return drafter.to(target_model.dtype).eval(), layers
+    return drafter.to(device=target_model.device, dtype=target_model.dtype).eval(), layers

@@ -105,8 +105,13 @@ def resolve_target_path(name_or_path: str) -> str:
     return name_or_path  # a hub id, resolved by transformers (cluster use)
 
 
-def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None = None) -> Target:
-    """Load a frozen causal LM and its tokenizer (alias, folder, or hub id) in eval mode."""
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: the GPU when there is one, else the CPU."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None = None, device: str = "cpu") -> Target:
+    """Load a frozen causal LM and its tokenizer (alias, folder, or hub id) in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
@@ -114,7 +119,7 @@ def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None 
     torch_dtype = parse_dtype(dtype)
     path = resolve_target_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(resolve_device(device))
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
 
