@@ -11,7 +11,7 @@ bash scripts/setup.sh
 PY=.venv/bin/python
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible to torch'; print('GPU', torch.cuda.get_device_name(0))"
 # Regeneration and training on the GPU; the data/train budgets keep the whole run near 7 minutes.
-$PY train/distill.py hydra.run.dir="$OUT" trainer.steps="$STEPS" trainer.bf16=true trainer.batch_size=16 \
+$PY train/distill.py hydra.run.dir="$OUT" trainer.steps="$STEPS" trainer.bf16=true trainer.compile=${COMPILE:-false} trainer.batch_size=16 \
     data.num_samples=2000 data.num_regenerate=512 data.regen_batch_size=128 budget.data_s=150 budget.train_s=240 \
     validate.num_prompts=8 validate.max_new_tokens=128 tracking=disabled
 $PY decode/bench.py proposer=drafter proposer.path="$OUT/export" data=mtbench bench.num_prompts=10 \

@@ -79,6 +79,9 @@ class TrainerConfig:
     warmup_steps: int = 10
     clip_grad_norm: float = 1.0
     bf16: bool = False
+    # torch.compile each draft layer (the GPU option; on CPU inductor needs a C++ compiler and compiles slowly).
+    compile: bool = False
+    compile_backend: str = "inductor"
     checkpoint_every: int = 50
     eval_every: int = 100
     seed: int = 0
