@@ -86,3 +86,22 @@ def test_compiled_layers_train_like_the_reference(tmp_path):
     drafter, compiled = run(target, tmp_path / "compiled", resume="never", compile=True, compile_backend="eager")
     assert all(layer._compiled_call_impl is not None for layer in drafter.layers)  # really compiled
     assert compiled["loss_history"] == pytest.approx(reference["loss_history"], rel=1e-5)
+
+
+def test_evaluation_can_read_other_signals_than_training(tmp_path):
+    """A lossy training cache (top-k) must not bias held-out figures: evaluation takes its own signals."""
+    from train.signals import target_signals
+
+    calls = {"train": 0, "eval": 0}
+
+    def counted(name):
+        def signals(*args):
+            calls[name] += 1
+            return target_signals(*args)
+        return signals
+
+    target = tiny_llama(0)
+    cfg = TrainerConfig(steps=2, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=10, eval_every=2, resume="never")
+    train(fresh_drafter(target), target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
+          tmp_path, {}, pad_id=0, signals=counted("train"), eval_signals=counted("eval"))
+    assert calls == {"train": 2, "eval": 1}

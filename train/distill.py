@@ -44,6 +44,7 @@ from train.checkpoint import latest_checkpoint  # noqa: E402
 from train.distributed import broadcast_object, full_parameters, make_accelerator, shutdown  # noqa: E402
 from train.drafter import MODES, BlockDrafter  # noqa: E402
 from train.eagle3 import Eagle3Drafter  # noqa: E402
+from train.signals import target_signals  # noqa: E402
 from train.standalone import StandaloneDrafter  # noqa: E402
 from train.export import save_drafter  # noqa: E402
 from train.feature_cache import FeatureCache, cache_fingerprint, read_manifest, write_manifest, write_shards  # noqa: E402
@@ -275,7 +276,9 @@ def distill(cfg: DistillConfig) -> dict | None:
     tracker = start_tracking(cfg.tracking, run_dir, resolved) if main else None
     summary = train(drafter, target.model, train_examples, eval_examples, layers, cfg.drafter.num_anchors, cfg.trainer,
                     cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s, accelerator,
-                    signals, tracker)
+                    signals, tracker,
+                    # A top-k cache drops the tail; held-out figures stay against the exact target distribution.
+                    target_signals if cfg.features.path and cfg.features.form == "topk" else None)
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
     with full_parameters(accelerator, drafter):

@@ -204,10 +204,11 @@ def _throughput(tokens: int, seconds: float, samples: int) -> dict:
 
 def train(drafter, target_model, train_examples, eval_examples, feature_layers, num_anchors: int,
           cfg: TrainerConfig, tracking: TrackingConfig, run_dir: Path, config: dict, pad_id: int,
-          time_budget_s: float | None = None, accelerator=None, signals=None, tracker=None) -> dict:
+          time_budget_s: float | None = None, accelerator=None, signals=None, tracker=None, eval_signals=None) -> dict:
     """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples).
     `signals` replaces the online target features (e.g. a train.feature_cache.FeatureCache); `tracker`, a W&B
-    run the caller owns (rank 0), is logged to and left open; without it the trainer starts and finishes its own."""
+    run the caller owns (rank 0), is logged to and left open; without it the trainer starts and finishes its own.
+    `eval_signals` feeds held-out evaluation (default: `signals`; the exact target when training on a lossy cache)."""
     from transformers import get_cosine_schedule_with_warmup
 
     accelerator = accelerator or make_accelerator(cfg)
@@ -304,8 +305,8 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
                 "examples_seen": done * per_step, "num_examples": len(train_examples), "data_fingerprint": fingerprint,
                 **layout})
         if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
-            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id, signals,
-                                   accelerator))
+            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id,
+                                   eval_signals or signals, accelerator))
         if run is not None:
             run.log(logged, step=done)
         bar.set_postfix(loss=f"{logged['train/loss']:.3f}", tau=f"{metrics['tau_estimate']:.2f}")
