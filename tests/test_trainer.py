@@ -105,3 +105,21 @@ def test_evaluation_can_read_other_signals_than_training(tmp_path):
     train(fresh_drafter(target), target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
           tmp_path, {}, pad_id=0, signals=counted("train"), eval_signals=counted("eval"))
     assert calls == {"train": 2, "eval": 1}
+
+
+def test_tied_weights_checkpoint_once_and_load_back(tmp_path):
+    """A drafter with tied embeddings / LM head (the standalone drafter of a tied target such as SmolLM2)."""
+    from train.checkpoint import load_checkpoint, save_checkpoint
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.inner.weight
+
+    model = Tied()
+    path = save_checkpoint(tmp_path, 1, model, {"x": torch.zeros(1)}, {})
+    fresh = Tied()
+    load_checkpoint(path, fresh)
+    assert torch.equal(fresh.head.weight, model.inner.weight) and fresh.head.weight is fresh.inner.weight

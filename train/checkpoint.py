@@ -26,9 +26,22 @@ FORMAT = "specdraft-checkpoint-1"
 FROZEN_PREFIXES = ("embed_tokens.",)  # reloaded from the target; not worth a copy per checkpoint
 
 
+def tied_aliases(state: dict[str, torch.Tensor]) -> set[str]:
+    """Keys whose tensor is the same storage as an earlier key's (tied embeddings / LM head): saved once."""
+    seen, aliases = set(), set()
+    for key, value in state.items():
+        pointer = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if value.numel() and pointer in seen:
+            aliases.add(key)
+        seen.add(pointer)
+    return aliases
+
+
 def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A drafter state dict without the frozen target embeddings, contiguous for safetensors."""
-    return {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)}
+    """A drafter state dict without the frozen target embeddings or tied duplicates, contiguous for safetensors."""
+    aliases = tied_aliases(state)
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()
+            if not k.startswith(FROZEN_PREFIXES) and k not in aliases}
 
 
 def write_folder_atomically(final: Path, write) -> Path:
@@ -104,7 +117,8 @@ def load_checkpoint(path: Path, model) -> tuple[dict, dict]:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # shape mismatches: another block size, rank, vocabulary, ...
         raise ValueError(f"checkpoint {path} does not fit this drafter (another architecture?): {err}") from None
-    missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
+    aliases = tied_aliases(model.state_dict())  # loaded through the key they are tied to
+    missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES) and k not in aliases]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit this drafter: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return state, meta
