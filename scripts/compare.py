@@ -1,4 +1,5 @@
-"""DSpark vs DFlash vs Eagle-3 on one target: identical data, steps and seed; one benchmark table.
+"""DSpark vs DFlash vs Eagle-3 (and, with --modes ... standalone, the peft standalone drafter) on one target:
+identical data, steps and seed; one benchmark table.
 
     .venv/bin/python scripts/compare.py [--out runs/compare] [--experiment cpu_full] [-- distill overrides ...]
 
@@ -29,7 +30,7 @@ import subprocess  # noqa: E402
 
 import torch  # noqa: E402
 
-MODES = ("dspark", "dflash", "eagle3")
+MODES = ("dspark", "dflash", "eagle3", "standalone")  # standalone: opt-in (--modes ... standalone)
 
 
 def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> dict:
@@ -54,8 +55,8 @@ def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> d
     return done
 
 
-def bench_one(target, proposers: dict, data: str, temperature: float, num_prompts: int, max_new_tokens: int,
-              seed: int) -> dict:
+def bench_one(target, proposers: dict, num_draft: dict, layers: tuple, data: str, temperature: float, num_prompts: int,
+              max_new_tokens: int, seed: int) -> dict:
     """Plain decoding and every proposer on the same prompts, interleaved; statistics per method."""
     from decode.bench import eos_ids, run_interleaved
     from decode.generate import speculative_generate
@@ -69,7 +70,6 @@ def bench_one(target, proposers: dict, data: str, temperature: float, num_prompt
     prompts = load_prompts(data, None, num_prompts)
     encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
     stop = eos_ids(target)
-    layers = next(iter(proposers.values())).feature_layers
     session = CausalSession(target.model, layers)
     plain_session = CausalSession(target.model)  # plain decoding gathers no hidden states
 
@@ -78,7 +78,7 @@ def bench_one(target, proposers: dict, data: str, temperature: float, num_prompt
         if kind == "plain":
             return speculative_generate(plain_session, ids, NoProposer(), sampler, max_new_tokens, 0, stop, generator=generator)
         proposer = proposers[kind]
-        return speculative_generate(session, ids, proposer, sampler, max_new_tokens, proposer.drafter.block_size, stop,
+        return speculative_generate(session, ids, proposer, sampler, max_new_tokens, num_draft[kind], stop,
                                     generator=generator)
 
     results = run_interleaved(["plain", *proposers], run, encoded)
@@ -109,7 +109,7 @@ def markdown(benches: list[dict], modes: list[str]) -> str:
             lines.append(f"| {mode} | {m['tau']:.3f} | {by_position} | {m['tokens_per_s']:.2f} | "
                          f"{m['speedup_vs_plain']:.3f} | {match} |")
         taus = {mode: methods[mode]["tau"] for mode in modes}
-        ratios = [f"τ(dspark)/τ({other}) = {taus['dspark'] / taus[other]:.3f}" for other in ("dflash", "eagle3")
+        ratios = [f"τ(dspark)/τ({other}) = {taus['dspark'] / taus[other]:.3f}" for other in ("dflash", "eagle3", "standalone")
                   if "dspark" in taus and other in taus]
         if ratios:
             lines.append("\n" + "; ".join(ratios))
@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare")
     parser.add_argument("--experiment", default="cpu_full",
                         help="the distill overlay every mode trains with ('default': none, the no-argument settings)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
+    parser.add_argument("--standalone-draft", type=int, default=4, help="tokens the standalone drafter proposes per step")
     parser.add_argument("--data", nargs="+", default=["mtbench", "sharegpt_heldout"], choices=["mtbench", "sharegpt_heldout"])
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -135,18 +136,25 @@ def main() -> None:
     trained = {mode: train_mode(mode, out, args.experiment, args.overrides) for mode in args.modes}
 
     from decode.bench import strip_generation_defaults
-    from decode.proposer import BlockDrafterProposer, Eagle3Proposer
+    from decode.proposer import BlockDrafterProposer, Eagle3Proposer, load_model_proposer
     from train.export import load_drafter
     from train.target import load_target
 
     target = load_target(trained[args.modes[0]]["config"]["target"]["name_or_path"], args.dtype, args.threads)
     strip_generation_defaults(target.model)
-    proposers = {}
+    proposers, num_draft = {}, {}
     for mode in args.modes:
+        if mode == "standalone":  # a plain HF model with the target's tokenizer, drafting autoregressively
+            proposers[mode], _ = load_model_proposer(trained[mode]["export_path"], None, target)
+            num_draft[mode] = args.standalone_draft
+            continue
         drafter, layers = load_drafter(trained[mode]["export_path"], target.model, trained[mode]["config"]["target"]["name_or_path"])
         proposers[mode] = (Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer)(drafter, layers)
-    if len({p.feature_layers for p in proposers.values()}) != 1:
+        num_draft[mode] = drafter.block_size
+    feature_layers = {p.feature_layers for p in proposers.values() if p.feature_layers}
+    if len(feature_layers) > 1:
         raise ValueError("the modes were trained on different target layers; one verify pass cannot serve them all")
+    layers = next(iter(feature_layers), ())
     benches = []
     for data in args.data:
         for temperature in args.temperatures:
@@ -158,7 +166,8 @@ def main() -> None:
                 benches.append(saved)
                 continue
             print(f"benchmark: {data}, T={temperature:g}", flush=True)
-            bench = bench_one(target, proposers, data, temperature, args.num_prompts, args.max_new_tokens, args.seed)
+            bench = bench_one(target, proposers, num_draft, layers, data, temperature, args.num_prompts, args.max_new_tokens,
+                              args.seed)
             bench.update(settings=settings, train_steps={m: trained[m]["train_steps"] for m in args.modes})
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text(json.dumps(bench, indent=2) + "\n")
