@@ -66,7 +66,7 @@ def test_eagle3_step_learns_and_normalizer_matches():
     drafter.train()
     batch = toy_batch(batch=2)
     settings = LossSettings(decay=4.4814)  # exp(-s / 4.4814) = 0.8 ** s: Eagle-3's step decay
-    total = weight_sum(batch, 0, 3, settings.decay, all_positions=True)
+    total = weight_sum(batch, 0, 3, settings.decay, mode="eagle3")
     # One batch: the unrolled weight sum is exactly the normaliser the loss uses on its own.
     local, _ = distill_step(drafter, target, batch, (1, 2), 0, settings)
     given, _ = distill_step(drafter, target, batch, (1, 2), 0, settings, normalizer=total)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from train.signals import pad_rows, target_signals
+from train.trainer import make_batch
 
 FORMAT = "specdraft-feature-cache-1"
 FORMS = ("full", "topk")
@@ -88,15 +89,11 @@ def write_shards(out_dir: Path, target_model, examples: list[dict], feature_laye
         tensors = {}
         chunk = mine[start : start + shard_examples]
         for b in range(0, len(chunk), batch_size):
-            rows = [examples[i]["input_ids"] for i in chunk[b : b + batch_size]]
-            width = max(len(r) for r in rows)
-            ids = torch.zeros((len(rows), width), dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for j, row in enumerate(rows):
-                ids[j, : len(row)], mask[j, : len(row)] = torch.tensor(row), 1
-            features, probs, outside = target_signals(target_model, ids.to(device), mask.to(device), feature_layers,
-                                                      draft_to_target.to(device))
-            for j, row in enumerate(rows):
+            indices = chunk[b : b + batch_size]
+            batch = make_batch(examples, indices, epoch=0, seed=0, pad_id=0)  # right-padded; padding never stored
+            features, probs, outside = target_signals(target_model, batch.input_ids.to(device), batch.attention_mask.to(device),
+                                                      feature_layers, draft_to_target.to(device))
+            for j, row in enumerate(examples[i]["input_ids"] for i in indices):
                 n = len(row)
                 tensors.update(_row_tensors(sequence_key(row), features[j, :n].cpu(), probs[j, :n].cpu(), outside[j, :n].cpu(),
                                             form, torch_dtype, top_k))

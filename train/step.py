@@ -82,17 +82,16 @@ def unrolled_validity(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return valid.long().cumprod(-1).bool()
 
 
-def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, all_positions: bool = False,
-               standalone: bool = False) -> torch.Tensor:
-    """The loss normaliser of a batch: total position weight of its valid slots (blocks, Eagle-3 steps, or the
-    positions a standalone drafter predicts)."""
+def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, mode: str = "dspark") -> torch.Tensor:
+    """The loss normaliser of a batch: total position weight of its valid slots (a block drafter's blocks,
+    Eagle-3's unrolled steps, or the positions a standalone drafter predicts)."""
     total = torch.zeros(())
     weights = position_weights(block_size, decay)
     for mask, seed in zip(batch.loss_mask.bool().cpu(), batch.sample_seeds.tolist()):  # a scalar: count on the CPU
-        if standalone:
+        if mode == "standalone":
             total = total + mask[1:].sum() * weights[0]
             continue
-        valid = unrolled_validity(mask, block_size) if all_positions else slot_validity(
+        valid = unrolled_validity(mask, block_size) if mode == "eagle3" else slot_validity(
             mask, sample_anchors(mask, num_anchors, seed), block_size)
         total = total + (valid * weights).sum()
     return total

@@ -266,8 +266,7 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         mine = micro[rank::world]  # this rank's micro-batches of the global step
         summary["examples_seen"].append([i for m in mine for i in m])
         batches = [_to(make_batch(train_examples, m, epoch, cfg.seed, pad_id), device) for m in mine]
-        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode == "eagle3",
-                               model.mode == "standalone") for b in batches)
+        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode) for b in batches)
         total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32, device=device), reduction="sum")
         step_loss = torch.zeros((), device=device)
         for position, batch in enumerate(batches):
@@ -286,17 +285,19 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         else:  # the engine stepped (and clipped) inside the last backward of the step
             grad_norm = float(engine.get_global_grad_norm() or 0.0)
         scheduler.step()
-        step_loss = accelerator.reduce(step_loss, reduction="sum")  # the global step loss
-        tokens = accelerator.reduce(torch.tensor(float(sum(int(b.attention_mask.sum()) for b in batches)), device=device),
-                                    reduction="sum")
+        # One collective for the global step loss, the tokens trained, and whether any rank is out of time
+        # (every rank must agree on stopping, or one would wait forever in the next collective).
+        late = time_budget_s is not None and time.perf_counter() - began > time_budget_s
+        local_tokens = sum(int(b.attention_mask.sum()) for b in batches)
+        step_loss, tokens, late_ranks = accelerator.reduce(
+            torch.stack([step_loss, torch.tensor(float(local_tokens), device=device), torch.tensor(float(late), device=device)]),
+            reduction="sum").tolist()
+        out_of_time = late_ranks > 0
         done, trained_tokens = step + 1, trained_tokens + int(tokens)
         logged = {"train/loss": float(step_loss), "train/tau_estimate": metrics["tau_estimate"],
                   "train/tau_greedy": metrics["tau_greedy"], "train/lr": scheduler.get_last_lr()[0],
                   "train/grad_norm": grad_norm, **_by_position(metrics),
                   **_throughput(int(tokens), time.perf_counter() - step_began, per_step)}
-        # Every rank must agree on stopping, or one would wait forever in the next collective.
-        late = time_budget_s is not None and time.perf_counter() - began > time_budget_s
-        out_of_time = bool(accelerator.reduce(torch.tensor(float(late), device=device), reduction="sum") > 0)
         # Checkpoint before evaluating or logging, so a failure there cannot lose the step.
         if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
             state = {"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
