@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from train.losses import distill_loss, expected_tau, position_weights
+from train.losses import argmax_labels, distill_loss, expected_tau, position_weights
 
 
 def test_position_weights_decay_exponentially():
@@ -109,3 +109,10 @@ def test_kl_option_adds_forward_kl_per_position():
     # Zero where the draft equals the target.
     same, _ = distill_loss(target.log(), target, tokens, valid, ce_weight=0, l1_weight=0, kl_weight=1.0)
     assert float(same) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_argmax_labels_skip_positions_whose_argmax_lies_outside_the_draft_vocabulary():
+    probs = torch.tensor([[[0.5, 0.2, 0.1], [0.1, 0.2, 0.1]]])  # (1, 2, 3): 0.2 and 0.6 outside
+    labels = argmax_labels(probs, torch.tensor([[0.2, 0.6]]))
+    assert labels.tolist() == [[0, -1]]
+    assert argmax_labels(probs).tolist() == [[0, 1]]

@@ -68,3 +68,25 @@ def test_global_normalizer_splits_batch_exactly():
         for s in (slice(0, 2), slice(2, 4))
     ]
     torch.testing.assert_close(halves[0] + halves[1], full, rtol=1e-5, atol=1e-6)
+
+
+def test_target_argmax_labels_equal_data_labels_on_the_targets_own_greedy_text():
+    """ce_labels=target_argmax labels each slot with the target's most likely token: on text the target wrote
+    greedily that is the data's next token (same loss as ce_labels=data); on other text the CE term differs."""
+    target = tiny_llama(0)
+    torch.manual_seed(3)
+    drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, mask_token_id=1, markov_rank=8)
+    drafter.copy_target_weights(target)
+    prompt = toy_batch(batch=2, length=8).input_ids
+    greedy = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)  # (2, 24): 16 tokens the target chose
+    loss_mask = torch.zeros_like(greedy, dtype=torch.bool)
+    loss_mask[:, 8:] = True
+    own = Batch(greedy, torch.ones_like(greedy), loss_mask, torch.arange(2))
+    data_labels = LossSettings(ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+    argmax_labels = LossSettings(ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0, ce_labels="target_argmax")
+    torch.testing.assert_close(distill_step(drafter, target, own, (1, 2), 6, data_labels)[0],
+                               distill_step(drafter, target, own, (1, 2), 6, argmax_labels)[0])
+    other = toy_batch(batch=2)
+    assert not torch.isclose(distill_step(drafter, target, other, (1, 2), 6, data_labels)[0],
+                             distill_step(drafter, target, other, (1, 2), 6, argmax_labels)[0])

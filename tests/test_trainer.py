@@ -123,3 +123,12 @@ def test_tied_weights_checkpoint_once_and_load_back(tmp_path):
     fresh = Tied()
     load_checkpoint(path, fresh)
     assert torch.equal(fresh.head.weight, model.inner.weight) and fresh.head.weight is fresh.inner.weight
+
+
+@pytest.mark.parametrize("key, value, choices", [("markov_inputs", "drafted", "teacher or sampled"),
+                                                 ("ce_labels", "argmax", "data or target_argmax")])
+def test_loss_options_name_their_choices(key, value, choices):
+    from train.trainer import _settings
+
+    with pytest.raises(ValueError, match=f"trainer.{key}='{value}'; choose {choices}"):
+        _settings(TrainerConfig(**{key: value}))

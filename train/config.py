@@ -90,6 +90,9 @@ class TrainerConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     kl_weight: float = 0.0  # forward KL to the target's distribution (an option beside DSpark's CE + L1)
+    # CE labels: data (the data's next tokens; the target's own when it regenerated them) or target_argmax (the
+    # target's most likely token at each position: what greedy verification accepts, also on data it did not write).
+    ce_labels: str = "data"
     position_decay: float = 4.0
     # Previous tokens of the Markov and confidence heads in training: teacher (the data's, as DeepSpec) or
     # sampled (the drafter's own draws, scored by an extra target forward; dspark only; train/on_policy.py).

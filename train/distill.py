@@ -293,6 +293,7 @@ def distill(cfg: DistillConfig) -> dict | None:
         stage_seconds["validate"] = time.perf_counter() - began
         results = {"export_path": str(export), **validation, "stage_seconds": stage_seconds, "train_steps": summary["steps"],
                    "train_tau_estimate": summary.get("train/tau_estimate"), "eval_tau_estimate": summary.get("eval/tau_estimate"),
+                   "eval_tau_greedy": summary.get("eval/tau_greedy"),
                    "train_tokens_per_s": summary.get("tokens_per_s"), "world_size": accelerator.num_processes,
                    "config": resolved}
         tmp = run_dir / "results.json.tmp"

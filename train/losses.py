@@ -38,6 +38,18 @@ def expected_tau(alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (1 + survival.sum(-1)).mean()
 
 
+def argmax_labels(target_probs: torch.Tensor, target_outside_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's most likely token per position (draft ids), -1 where it lies outside the draft vocabulary.
+
+    CE labels for data the target did not write: a ShareGPT response's next token is another model's
+    choice, while greedy verification accepts exactly the target's argmax."""
+    # target_probs (N, γ, V_draft), target_outside_mass (N, γ) -> (N, γ)
+    top = target_probs.max(-1)
+    if target_outside_mass is None:
+        return top.indices
+    return torch.where(top.values > target_outside_mass, top.indices, torch.full_like(top.indices, -1))
+
+
 def distill_loss(
     draft_logits: torch.Tensor,
     target_probs: torch.Tensor,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.losses import distill_loss, position_weights
+from train.losses import argmax_labels, distill_loss, position_weights
 from train.on_policy import sample_block_tokens, target_probs_after_drafts
 from train.signals import target_signals
 from train.standalone import standalone_pieces
@@ -38,6 +38,7 @@ class LossSettings:
     decay: float = 4.0
     kl_weight: float = 0.0
     markov_inputs: str = "teacher"  # teacher: data tokens; sampled: the drafter's own samples (train/on_policy.py)
+    ce_labels: str = "data"  # data: the data's next tokens; target_argmax: the target's most likely tokens
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, seed: int) -> torch.Tensor:
@@ -163,10 +164,12 @@ def distill_step(
     if not pieces:
         raise ValueError("no sample in this batch has a response token to predict; check the loss masks")
     cat = lambda i: None if pieces[0][i] is None else torch.cat([p[i] for p in pieces])  # noqa: E731
+    outside = cat(2).clamp_min(0)  # (fp rounding can leave it slightly negative)
+    labels = cat(3) if settings.ce_labels == "data" else argmax_labels(cat(1), outside)
     return distill_loss(
-        cat(0), cat(1), cat(3), cat(4), cat(5),
+        cat(0), cat(1), labels, cat(4), cat(5),
         ce_weight=settings.ce_weight, l1_weight=settings.l1_weight,
         confidence_weight=settings.confidence_weight, decay=settings.decay, normalizer=normalizer,
         kl_weight=settings.kl_weight,
-        target_outside_mass=cat(2).clamp_min(0),  # (fp rounding can leave it slightly negative)
+        target_outside_mass=outside,
     )

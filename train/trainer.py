@@ -120,8 +120,10 @@ def _all_reduce_gradients(params, world: int) -> None:
 def _settings(cfg: TrainerConfig) -> LossSettings:
     if cfg.markov_inputs not in ("teacher", "sampled"):
         raise ValueError(f"trainer.markov_inputs={cfg.markov_inputs!r}; choose teacher or sampled")
+    if cfg.ce_labels not in ("data", "target_argmax"):
+        raise ValueError(f"trainer.ce_labels={cfg.ce_labels!r}; choose data or target_argmax")
     return LossSettings(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.position_decay, cfg.kl_weight,
-                        cfg.markov_inputs)
+                        cfg.markov_inputs, cfg.ce_labels)
 
 
 def _resume_from(cfg: TrainerConfig, run_dir: Path) -> Path | None:
