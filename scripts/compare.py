@@ -30,7 +30,8 @@ import subprocess  # noqa: E402
 
 import torch  # noqa: E402
 
-MODES = ("dspark", "dflash", "eagle3", "standalone")  # standalone: opt-in (--modes ... standalone)
+DEFAULT_MODES = ("dspark", "dflash", "eagle3")
+MODES = (*DEFAULT_MODES, "standalone")  # standalone: opt-in (--modes ... standalone)
 
 
 def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> dict:
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare")
     parser.add_argument("--experiment", default="cpu_full",
                         help="the distill overlay every mode trains with ('default': none, the no-argument settings)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
     parser.add_argument("--standalone-draft", type=int, default=4, help="tokens the standalone drafter proposes per step")
     parser.add_argument("--data", nargs="+", default=["mtbench", "sharegpt_heldout"], choices=["mtbench", "sharegpt_heldout"])
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
