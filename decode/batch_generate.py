@@ -2,7 +2,8 @@
 
 Each request keeps what the batch-1 loop (decode/generate.py) keeps: its own context, its own
 proposer (a clone sharing the drafter's weights, so the drafter's KV rollback is per request), its
-own random generator, its own stop conditions. Per step every active request drafts, a scheduler
+own random generator, its own stop conditions. Per step every active request drafts (block drafters
+all in one backbone pass, decode/batch_draft.py), a scheduler
 picks each request's verify length, the target verifies all rows in one ragged forward
 (decode/batch_session.py), and each row is accepted and rolled back on its own. Requests join from
 a queue whenever fewer than `max_concurrency` are active (closed-loop load), and leave when done.
@@ -17,11 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode.batch_draft import can_batch, propose_blocks
 from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, load_schedule, make_backoff
+from decode.scheduler import FixedRule, cut, load_schedule, make_backoff
 
 
 @dataclass
@@ -105,16 +107,14 @@ def batched_generate(
             _leave(session, active, finished, results)
             continue
 
-        for item in active:  # draft
-            room = item.request.max_new_tokens - len(item.result.output_ids)
-            limit = min(num_draft, room - 1)
+        drafting, limits = [], []
+        for item in active:
             item.skipped = item.backoff is not None and item.backoff.should_skip()
-            if item.skipped:
-                item.proposal = Proposal([])  # plain decoding for this request this step
-                continue
-            # scheduler=load drafts whole blocks and admits positions batch-wide below.
-            item.proposal = draft(item.proposer, item.context, limit, sampler, item.request.generator,
-                                  None if load else rule)
+            item.proposal = Proposal([])  # plain decoding for this request this step, unless it drafts below
+            if not item.skipped:
+                drafting.append(item)
+                limits.append(min(num_draft, item.request.max_new_tokens - len(item.result.output_ids) - 1))
+        _draft_all(drafting, limits, sampler, None if load else rule)  # scheduler=load admits batch-wide below
         if load is not None:
             _admit(active, load)
         for item in active:
@@ -140,6 +140,18 @@ def batched_generate(
     return results
 
 
+def _draft_all(items: list[_Active], limits: list[int], sampler: Sampler, rule) -> None:
+    """Each drafting request's proposal: block drafters in one batched backbone pass, others one by one."""
+    if can_batch([item.proposer for item in items]):
+        proposals = propose_blocks([item.proposer for item in items], [item.context for item in items], limits, sampler,
+                                   [item.request.generator for item in items], rule)
+        for item, proposal in zip(items, proposals):
+            item.proposal = proposal if rule is None else proposal.truncate(cut(proposal, rule))
+        return
+    for item, limit in zip(items, limits):
+        item.proposal = draft(item.proposer, item.context, limit, sampler, item.request.generator, rule)
+
+
 def _leave(session: BatchedSession, active: list[_Active], finished: list[int], results: list) -> None:
     now = time.perf_counter()
     for i in finished:
@@ -157,7 +169,7 @@ def _admit(active: list[_Active], load: LoadPolicy) -> None:
             raise ValueError("scheduler=load needs a proposer with a confidence head (proposer=drafter, dspark export)")
         values = [] if item.proposal.confidence is None else item.proposal.confidence.float().cumprod(0).tolist()
         survival.append(values)
-    draft_s = sum(load.profile.draft_s(len(values)) for values in survival if values)  # already spent: a constant here
+    draft_s = load.profile.draft_rows_s([len(values) for values in survival if values])  # already spent: a constant here
     lengths = load_schedule(survival, draft_s, lambda rows, length: load.profile.verify_s(rows, length, "batched"))
     for item, length in zip(active, lengths):
         item.proposal = item.proposal.truncate(length)

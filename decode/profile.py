@@ -3,7 +3,8 @@
 Two curves (DSpark's SPS(B)): the target's verify-step seconds as a function of the step's shape
 (rows × tokens per row, on the engine that will run it: `single` = the batch-1 session, `batched` =
 the ragged batched session), and the drafter's seconds as a function of drafted length (backbone
-pass plus per-position LM head / Markov / confidence steps). Measured once per fingerprint of the
+pass plus per-position LM head / Markov / confidence steps) and, for block drafters, of the number
+of requests drafting together in one batched pass. Measured once per fingerprint of the
 machine (CPU model, threads, torch), dtype, target and drafter, then read from
 ~/.cache/specdraft/profiles/<hash>.json; the bench records which profile it used.
 """
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from decode.batch_draft import propose_blocks
 from decode.batch_session import BatchedSession
+from decode.proposer import BlockDrafterProposer
 from decode.sampling import Sampler
 from decode.session import CausalSession
 
@@ -32,12 +35,15 @@ CACHE_DIR = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "spe
 @dataclass
 class CostProfile:
     """Measured seconds. verify[engine][str(rows)][length-1] = seconds for rows × length tokens;
-    draft[ℓ] = seconds to draft ℓ positions for one request (ℓ = 0: the backbone pass alone)."""
+    draft[ℓ] = seconds to draft ℓ positions for one request (ℓ = 0: the backbone pass alone);
+    draft_batched[str(rows)] = seconds to draft whole blocks for `rows` requests in one batched pass
+    (block drafters only; None for proposers that draft request by request)."""
 
     fingerprint: dict
     verify: dict
     draft: list[float]
     context_length: int
+    draft_batched: dict | None = None
 
     def verify_s(self, rows: int, length: int, engine: str = "single") -> float:
         """Seconds of a verify step of `rows` rows × `length` tokens (linear between measured row counts)."""
@@ -55,6 +61,19 @@ class CostProfile:
 
     def draft_s(self, length: int) -> float:
         return self.draft[min(max(length, 0), len(self.draft) - 1)]
+
+    def draft_rows_s(self, lengths: list[int]) -> float:
+        """Seconds the batched engine spends drafting for requests that draft these lengths this step:
+        one batched pass when measured (linear between measured row counts), else one draft per request."""
+        rows = len(lengths)
+        if not self.draft_batched or rows == 0:
+            return sum(self.draft_s(length) for length in lengths)
+        measured = sorted(int(r) for r in self.draft_batched)
+        points = [(0, 0.0)] + [(r, self.draft_batched[str(r)]) for r in measured]
+        for (low, low_s), (high, high_s) in zip(points, points[1:]):
+            if rows <= high:
+                return low_s + (high_s - low_s) * (rows - low) / (high - low)
+        return points[-1][1] * rows / points[-1][0]  # beyond the measured range: proportional to rows
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -90,6 +109,7 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "block_size": block_size,
         "batch_sizes": list(batch_sizes),
         "context_length": context_length,
+        "draft_engine": "batched",  # profiles from before batched drafting lack its curve: measure again
     }
 
 
@@ -173,6 +193,28 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
     return [_median_seconds(lambda: draft(n), repeats) for n in range(0, max_draft + 1)]
 
 
+def measure_draft_batched(proposer, model, context_length: int, max_draft: int, batch_sizes: list[int],
+                          repeats: int) -> dict | None:
+    """Seconds to draft a whole block for each of `rows` requests in one batched pass (block drafters)."""
+    if proposer is None or max_draft == 0 or not isinstance(proposer, BlockDrafterProposer):
+        return None
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(0, model.config.vocab_size, (context_length,), generator=generator).tolist()
+    _, features = CausalSession(model, proposer.feature_layers).forward(context)
+    requests = []
+    for _ in range(max(batch_sizes)):
+        request = proposer.clone()
+        request.start(context, features)
+        requests.append(request)
+    generators = [torch.Generator(device=model.device).manual_seed(r) for r in range(len(requests))]
+    sampler = Sampler(1.0)  # sampling costs at least what greedy does (it also builds q)
+
+    def draft(rows):
+        propose_blocks(requests[:rows], [context] * rows, [max_draft] * rows, sampler, generators[:rows])
+
+    return {str(rows): _median_seconds(lambda: draft(rows), repeats) for rows in batch_sizes}
+
+
 def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,
                     batch_sizes: list[int], context_length: int = 256, repeats: int = 3,
                     cache_dir: Path | None = None) -> tuple[CostProfile, Path, bool]:
@@ -191,7 +233,9 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
     verify = measure_verify(model, proposer.feature_layers if proposer else (), block_size + 1, batch_sizes,
                             context_length, repeats)
     draft = measure_draft(proposer, model, context_length, block_size, repeats)
-    profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length)
+    draft_batched = measure_draft_batched(proposer, model, context_length, block_size, batch_sizes, repeats)
+    profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length,
+                          draft_batched=draft_batched)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(profile.to_json(), indent=1))

@@ -28,6 +28,16 @@ def synthetic_profile(rows=(1, 2, 4), length=5, per_token=0.002) -> CostProfile:
                        draft=[0.003 + 0.001 * n for n in range(length)], context_length=16)
 
 
+def test_batched_draft_time_comes_from_its_own_curve():
+    profile = synthetic_profile()  # per-request drafts only: one draft per request
+    assert profile.draft_rows_s([3, 3]) == pytest.approx(2 * profile.draft_s(3))
+    profile.draft_batched = {"1": 0.010, "4": 0.016}  # measured: one pass for 1 and for 4 requests
+    assert profile.draft_rows_s([3]) == pytest.approx(0.010)
+    assert profile.draft_rows_s([3, 1]) == pytest.approx(0.012)  # between the measured row counts
+    assert profile.draft_rows_s([3] * 8) == pytest.approx(0.032)  # beyond them: proportional to rows
+    assert profile.draft_rows_s([]) == 0
+
+
 def batch1(model, proposer, sampler, num_draft, rule=None, seed=0):
     session = CausalSession(model, proposer.feature_layers)
     outs = []

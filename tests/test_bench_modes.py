@@ -51,6 +51,8 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
     assert summary["profile"]["measured_now"] is True
     profile = json.loads(open(summary["profile"]["path"]).read())
     assert len(profile["draft"]) == 4 and set(profile["verify"]) == {"single", "batched"}
+    assert set(profile["draft_batched"]) == set(profile["verify"]["batched"])  # one batched draft per row count
+    assert all(seconds > 0 for seconds in profile["draft_batched"].values())
     # The second run reads the cached profile instead of measuring again.
     again = run_bench(config(tiny_model_dir, prompts_file, out, f"proposer.path={tiny_export}", "scheduler=cost",
                              "bench.num_prompts=1", "bench.baselines=false"))

@@ -243,6 +243,32 @@ class BlockDrafter(nn.Module):
         hidden = self.norm(hidden)
         return DraftOutput(logits=self.lm_head(hidden), hidden=hidden)
 
+    def forward_blocks(self, context_kvs: list[list], context_lengths: list[int], anchor_tokens: torch.Tensor) -> DraftOutput:
+        """Inference for R requests in one pass: the batched twin of `forward_block` (parity-tested).
+
+        Each request's cached context has its own length; caches are right-padded to the longest and
+        the padding is masked out, and each block's rotary positions start at its own context length."""
+        # context_kvs[r]: per layer (k, v), each (1, kv_heads, C_r, D); anchor_tokens (R,)
+        rows, longest, block = len(context_kvs), max(context_lengths), self.block_size
+        hidden = self.block_inputs(anchor_tokens)  # (R, γ, H)
+        lengths = torch.tensor(context_lengths, device=hidden.device)
+        positions = lengths[:, None] + torch.arange(block, device=hidden.device)  # (R, γ)
+        cos, sin = self.rotary(hidden, positions)  # (R, γ, D)
+        cos, sin = cos[:, None], sin[:, None]  # (R, 1, γ, D): broadcast over heads
+        visible = torch.arange(longest, device=hidden.device)[None] < lengths[:, None]  # (R, C_max)
+        mask = torch.cat([visible, visible.new_ones(rows, block)], 1)[:, None, None]  # (R, 1, 1, C_max + γ)
+        for index, layer in enumerate(self.layers):
+            padded = []
+            for part in (0, 1):  # keys, then values: (R, kv_heads, C_max, D), zeros beyond each C_r
+                first = context_kvs[0][index][part]
+                out = first.new_zeros(rows, first.shape[1], longest, first.shape[3])
+                for r, kv in enumerate(context_kvs):
+                    out[r, :, : context_lengths[r]] = kv[index][part][0]
+                padded.append(out)
+            hidden = layer(hidden, padded, cos, sin, mask)
+        hidden = self.norm(hidden)
+        return DraftOutput(logits=self.lm_head(hidden), hidden=hidden)
+
     def context_cache(self, context: torch.Tensor, start: int) -> list:
         """Per-layer keys/values of context features at positions start, start+1, ... (to append to a cache)."""
         # context (1, C_new, H)

@@ -1,0 +1,89 @@
+"""Drafting for R concurrent requests in one backbone pass (the batched engine's drafter step).
+
+`BlockDrafterProposer.propose` drafts one request; under load the engine would call it R times, and
+on a CPU most of a draft's time is per-call overhead (a 1-layer backbone over 7 slots, then 7 small
+Markov/LM-head steps), so the probes a scheduler needs cost R times what they should. Here every
+active request's block goes through the backbone together, then the Markov head samples position k
+for all rows at once. Per row everything happens as in `propose`, the reference twin
+(tests/test_batch_draft.py holds them equal): the same confidences, the same stopping rule asked before
+x_k is drawn, and one draw per drafted position from that request's own generator, in the same
+order, so a request's random stream does not depend on which other requests share its step (requests
+without a generator draw from torch's global stream, then position by position across requests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.proposer import BlockDrafterProposer, Proposal
+from decode.sampling import Sampler, sample
+
+
+def can_batch(proposers: list) -> bool:
+    """True when every proposer is a block drafter with a context, sharing one drafter's weights and calibration."""
+    return (bool(proposers) and all(isinstance(p, BlockDrafterProposer) and p.cache is not None for p in proposers)
+            and len({id(p.drafter) for p in proposers}) == 1 and len({id(p.calibration) for p in proposers}) == 1)
+
+
+@torch.inference_mode()
+def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[int]], limits: list[int], sampler: Sampler,
+                   generators: list, rule=None) -> list[Proposal]:
+    """One proposal per request (at most limits[r] tokens, cut by the stopping rule as `propose` cuts it)."""
+    rows = [r for r, limit in enumerate(limits) if limit > 0]
+    proposals = [Proposal([]) for _ in proposers]
+    if not rows:
+        return proposals
+    drafter = proposers[rows[0]].drafter
+    device = drafter.draft_to_target.device
+    anchors = torch.tensor([contexts[r][-1] for r in rows], device=device)  # (R,)
+    out = drafter.forward_blocks([proposers[r].cache for r in rows], [proposers[r].length for r in rows], anchors)
+    heads = drafter.markov_head
+    state = heads.initial_state(len(rows), out.hidden[:, 0]) if heads is not None else None
+    temperatures = proposers[rows[0]]._temperatures(sampler)
+    target_vocab = drafter.embed_tokens.num_embeddings
+    previous = anchors
+    tokens = {r: [] for r in rows}
+    draft_probs, confidence, raw = ({r: [] for r in rows} for _ in range(3))
+    live = list(range(len(rows)))  # indices into `rows` of requests still drafting
+    for k in range(max(limits[r] for r in rows)):
+        live = [i for i in live if k < limits[rows[i]]]
+        if not live:
+            break
+        logits, hidden = out.logits[:, k], out.hidden[:, k]  # (R, V_draft), (R, H)
+        if heads is not None:
+            embedding = heads.markov_w1(previous)  # (R, r)
+            z = drafter.confidence_head(torch.cat([hidden, embedding], -1)).float()  # (R,)
+            scores = torch.sigmoid(z / temperatures[k] if temperatures else z)
+            for i in live:  # the rule sees c_1..c_k before x_k is drawn, as in `propose`
+                raw[rows[i]].append(z[i])
+                confidence[rows[i]].append(scores[i])
+            if rule is not None:
+                stopped = [i for i in live if not rule.verify([float(c) for c in confidence[rows[i]]])]
+                for i in stopped:
+                    confidence[rows[i]].pop(), raw[rows[i]].pop()
+                live = [i for i in live if i not in stopped]
+            bias, state = heads.markov_step(embedding, hidden, state)
+            logits = logits + bias
+        if not live:
+            break
+        if sampler.greedy:
+            picked = drafter.draft_to_target[logits.argmax(-1)]  # (R,)
+        else:
+            probs = sampler.probs(logits)  # (R, V_draft)
+            picked = previous.clone()
+            for i in live:  # each request's own generator, one draw per drafted position
+                picked[i] = drafter.draft_to_target[sample(probs[i : i + 1], generators[rows[i]])[0]]
+                full = probs.new_zeros(target_vocab)  # q over the target vocabulary, 0 outside the draft one
+                full[drafter.draft_to_target] = probs[i]
+                draft_probs[rows[i]].append(full)
+        for i in live:
+            tokens[rows[i]].append(int(picked[i]))
+        previous = picked
+    for r in rows:
+        proposals[r] = Proposal(
+            tokens[r],
+            torch.stack(draft_probs[r]) if draft_probs[r] else None,
+            torch.stack(confidence[r]) if confidence[r] else None,
+            torch.stack(raw[r]) if raw[r] else None,
+        )
+    return proposals
