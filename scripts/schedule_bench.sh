@@ -15,7 +15,8 @@ fi
 for data in mtbench sharegpt_heldout; do
   for t in 0.0 1.0; do
     $PY decode/bench.py "${common[@]}" bench.mode=sweep data=$data decode.temperature=$t bench.num_prompts=$N \
-      "bench.sweep_lengths=[1,2,3,5,7]" "bench.sweep_thresholds=[0.5]" "hydra.run.dir=$OUT/sweep-$data-T$t"
+      "bench.sweep_lengths=[1,2,3,5,7]" "bench.sweep_thresholds=[0.5]" "bench.concurrency=[1]" \
+      "hydra.run.dir=$OUT/sweep-$data-T$t"  # one request: its profile needs only 1-row verify steps
   done
 done
 $PY decode/bench.py "${common[@]}" bench.mode=load data=mtbench decode.temperature=0.0 bench.num_prompts=16 \
