@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposer import BlockDrafterProposer, Proposal
-from decode.sampling import Sampler, sample
+from decode.proposer import BlockDrafterProposer, Proposal, pick_draft_token
+from decode.sampling import Sampler
 
 
 def can_batch(proposers: list) -> bool:
@@ -69,13 +69,11 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
         if sampler.greedy:
             picked = drafter.draft_to_target[logits.argmax(-1)]  # (R,)
         else:
-            probs = sampler.probs(logits)  # (R, V_draft)
             picked = previous.clone()
-            for i in live:  # each request's own generator, one draw per drafted position
-                picked[i] = drafter.draft_to_target[sample(probs[i : i + 1], generators[rows[i]])[0]]
-                full = probs.new_zeros(target_vocab)  # q over the target vocabulary, 0 outside the draft one
-                full[drafter.draft_to_target] = probs[i]
-                draft_probs[rows[i]].append(full)
+            for i in live:  # each request's own generator, one draw per drafted position, as in `propose`
+                picked[i], q = pick_draft_token(logits[i : i + 1], drafter.draft_to_target, target_vocab, sampler,
+                                                generators[rows[i]])
+                draft_probs[rows[i]].append(q)
         for i in live:
             tokens[rows[i]].append(int(picked[i]))
         previous = picked

@@ -48,16 +48,8 @@ class CostProfile:
     def verify_s(self, rows: int, length: int, engine: str = "single") -> float:
         """Seconds of a verify step of `rows` rows × `length` tokens (linear between measured row counts)."""
         table = self.verify.get(engine) or self.verify["batched"]
-        measured = sorted(int(r) for r in table)
-        length = min(max(length, 1), len(table[str(measured[0])]))
-        if rows <= measured[0]:
-            return table[str(measured[0])][length - 1] * rows / measured[0]
-        for low, high in zip(measured, measured[1:]):
-            if rows <= high:
-                w = (rows - low) / (high - low)
-                return (1 - w) * table[str(low)][length - 1] + w * table[str(high)][length - 1]
-        top = measured[-1]  # beyond the measured range: proportional to rows
-        return table[str(top)][length - 1] * rows / top
+        length = min(max(length, 1), min(len(seconds) for seconds in table.values()))
+        return by_rows({int(r): seconds[length - 1] for r, seconds in table.items()}, rows)
 
     def draft_s(self, length: int) -> float:
         return self.draft[min(max(length, 0), len(self.draft) - 1)]
@@ -65,18 +57,25 @@ class CostProfile:
     def draft_rows_s(self, lengths: list[int]) -> float:
         """Seconds the batched engine spends drafting for requests that draft these lengths this step:
         one batched pass when measured (linear between measured row counts), else one draft per request."""
-        rows = len(lengths)
-        if not self.draft_batched or rows == 0:
+        if not self.draft_batched or not lengths:
             return sum(self.draft_s(length) for length in lengths)
-        measured = sorted(int(r) for r in self.draft_batched)
-        points = [(0, 0.0)] + [(r, self.draft_batched[str(r)]) for r in measured]
-        for (low, low_s), (high, high_s) in zip(points, points[1:]):
-            if rows <= high:
-                return low_s + (high_s - low_s) * (rows - low) / (high - low)
-        return points[-1][1] * rows / points[-1][0]  # beyond the measured range: proportional to rows
+        return by_rows({int(r): seconds for r, seconds in self.draft_batched.items()}, len(lengths))
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def by_rows(seconds: dict[int, float], rows: int) -> float:
+    """Seconds at `rows` from seconds measured at some row counts: linear between them, proportional to
+    rows below the smallest and beyond the largest."""
+    measured = sorted(seconds)
+    if rows <= measured[0]:
+        return seconds[measured[0]] * rows / measured[0]
+    for low, high in zip(measured, measured[1:]):
+        if rows <= high:
+            w = (rows - low) / (high - low)
+            return (1 - w) * seconds[low] + w * seconds[high]
+    return seconds[measured[-1]] * rows / measured[-1]
 
 
 def machine_fingerprint() -> dict:
@@ -196,7 +195,7 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
 def measure_draft_batched(proposer, model, context_length: int, max_draft: int, batch_sizes: list[int],
                           repeats: int) -> dict | None:
     """Seconds to draft a whole block for each of `rows` requests in one batched pass (block drafters)."""
-    if proposer is None or max_draft == 0 or not isinstance(proposer, BlockDrafterProposer):
+    if max_draft == 0 or not isinstance(proposer, BlockDrafterProposer):
         return None
     generator = torch.Generator().manual_seed(1)
     context = torch.randint(0, model.config.vocab_size, (context_length,), generator=generator).tolist()
