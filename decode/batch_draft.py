@@ -28,7 +28,9 @@ def can_batch(proposers: list) -> bool:
 @torch.inference_mode()
 def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[int]], limits: list[int], sampler: Sampler,
                    generators: list, rule=None) -> list[Proposal]:
-    """One proposal per request (at most limits[r] tokens, cut by the stopping rule as `propose` cuts it)."""
+    """One proposal per request (at most limits[r] tokens, cut by the stopping rule as `propose` cuts it;
+    `rule` is one rule for every request or a list of one per request)."""
+    rules = rule if isinstance(rule, list) else [rule] * len(proposers)
     rows = [r for r, limit in enumerate(limits) if limit > 0]
     proposals = [Proposal([]) for _ in proposers]
     if not rows:
@@ -36,7 +38,8 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
     drafter = proposers[rows[0]].drafter
     device = drafter.draft_to_target.device
     anchors = torch.tensor([contexts[r][-1] for r in rows], device=device)  # (R,)
-    out = drafter.forward_blocks([proposers[r].cache for r in rows], [proposers[r].length for r in rows], anchors)
+    out = drafter.forward_blocks([proposers[r].cache for r in rows], [proposers[r].length for r in rows], anchors,
+                                 logits=False)  # hidden (R, γ, H); the LM head runs per position, as in `propose`
     heads = drafter.markov_head
     state = heads.initial_state(len(rows), out.hidden[:, 0]) if heads is not None else None
     temperatures = proposers[rows[0]]._temperatures(sampler)
@@ -49,7 +52,7 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
         live = [i for i in live if k < limits[rows[i]]]
         if not live:
             break
-        logits, hidden = out.logits[:, k], out.hidden[:, k]  # (R, V_draft), (R, H)
+        hidden = out.hidden[:, k]  # (R, H)
         if heads is not None:
             embedding = heads.markov_w1(previous)  # (R, r)
             z = drafter.confidence_head(torch.cat([hidden, embedding], -1)).float()  # (R,)
@@ -57,15 +60,18 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
             for i in live:  # the rule sees c_1..c_k before x_k is drawn, as in `propose`
                 raw[rows[i]].append(z[i])
                 confidence[rows[i]].append(scores[i])
-            if rule is not None:
-                stopped = [i for i in live if not rule.verify([float(c) for c in confidence[rows[i]]])]
+            if any(rules[rows[i]] is not None for i in live):
+                stopped = [i for i in live if rules[rows[i]] is not None
+                           and not rules[rows[i]].verify([float(c) for c in confidence[rows[i]]])]
                 for i in stopped:
                     confidence[rows[i]].pop(), raw[rows[i]].pop()
                 live = [i for i in live if i not in stopped]
             bias, state = heads.markov_step(embedding, hidden, state)
-            logits = logits + bias
         if not live:
             break
+        logits = drafter.lm_head(hidden)  # (R, V_draft)
+        if heads is not None:
+            logits = logits + bias
         if sampler.greedy:
             picked = drafter.draft_to_target[logits.argmax(-1)]  # (R,)
         else:

@@ -263,14 +263,16 @@ class BlockDrafterProposer:
             return Proposal([])
         drafter = self.drafter
         anchor = torch.tensor([context_ids[-1]], device=drafter.draft_to_target.device)
-        out = drafter.forward_block(self.cache, self.length, anchor)  # logits (1, γ, V_draft)
+        # Hidden states only: the LM head runs below per drafted position, so a step the scheduler
+        # ends at c_1 (plain decoding) pays for the backbone and the confidence head alone.
+        out = drafter.forward_block(self.cache, self.length, anchor, logits=False)  # hidden (1, γ, H)
         heads = drafter.markov_head
         state = heads.initial_state(1, out.hidden[:, 0]) if heads is not None else None
         temperatures = self._temperatures(sampler)
         previous, tokens, draft_probs, confidence, raw = anchor, [], [], [], []
         target_vocab = drafter.embed_tokens.num_embeddings
         for k in range(num_draft):
-            logits, hidden = out.logits[:, k], out.hidden[:, k]  # (1, V_draft), (1, H)
+            hidden = out.hidden[:, k]  # (1, H)
             if heads is not None:
                 embedding = heads.markov_w1(previous)  # (1, r)
                 # c_k depends on x_{k-1} (through W1) but not on x_k: the rule may stop here, before x_k is drawn.
@@ -281,6 +283,8 @@ class BlockDrafterProposer:
                     confidence.pop(), raw.pop()
                     break
                 bias, state = heads.markov_step(embedding, hidden, state)
+            logits = drafter.lm_head(hidden)  # (1, V_draft)
+            if heads is not None:
                 logits = logits + bias
             token, q = pick_draft_token(logits, drafter.draft_to_target, target_vocab, sampler, generator)
             if q is not None:

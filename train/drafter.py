@@ -138,7 +138,7 @@ class DraftLayer(nn.Module):
 class DraftOutput:
     """Per block slot: logits over the draft vocabulary (before the Markov bias), hidden states."""
 
-    logits: torch.Tensor  # (N, γ, V_draft)
+    logits: torch.Tensor | None  # (N, γ, V_draft); None when the caller applies the LM head itself
     hidden: torch.Tensor  # (N, γ, H)
 
 
@@ -232,8 +232,11 @@ class BlockDrafter(nn.Module):
         hidden = self.norm(hidden).reshape(num_blocks, self.block_size, -1)  # (N, γ, H)
         return DraftOutput(logits=self.lm_head(hidden), hidden=hidden)
 
-    def forward_block(self, context_kv: list, context_length: int, anchor_token: torch.Tensor) -> DraftOutput:
-        """Inference: one block after a cached context of `context_length` positions (all visible)."""
+    def forward_block(self, context_kv: list, context_length: int, anchor_token: torch.Tensor,
+                      logits: bool = True) -> DraftOutput:
+        """Inference: one block after a cached context of `context_length` positions (all visible).
+        logits=False leaves the LM head to the caller (logits None): decoding needs it only for the
+        positions it drafts, and a scheduler often stops after c_1, before any."""
         # context_kv: per layer (k, v), each (1, kv_heads, C, D); anchor_token (1,)
         hidden = self.block_inputs(anchor_token)  # (1, γ, H)
         positions = torch.arange(context_length, context_length + self.block_size, device=hidden.device)
@@ -241,9 +244,10 @@ class BlockDrafter(nn.Module):
         for layer, layer_kv in zip(self.layers, context_kv):
             hidden = layer(hidden, layer_kv, cos, sin, None)
         hidden = self.norm(hidden)
-        return DraftOutput(logits=self.lm_head(hidden), hidden=hidden)
+        return DraftOutput(logits=self.lm_head(hidden) if logits else None, hidden=hidden)
 
-    def forward_blocks(self, context_kvs: list[list], context_lengths: list[int], anchor_tokens: torch.Tensor) -> DraftOutput:
+    def forward_blocks(self, context_kvs: list[list], context_lengths: list[int], anchor_tokens: torch.Tensor,
+                       logits: bool = True) -> DraftOutput:
         """Inference for R requests in one pass: the batched twin of `forward_block` (parity-tested).
 
         Each request's cached context has its own length; caches are right-padded to the longest and
@@ -267,7 +271,7 @@ class BlockDrafter(nn.Module):
                 padded.append(out)
             hidden = layer(hidden, padded, cos, sin, mask)
         hidden = self.norm(hidden)
-        return DraftOutput(logits=self.lm_head(hidden), hidden=hidden)
+        return DraftOutput(logits=self.lm_head(hidden) if logits else None, hidden=hidden)
 
     def context_cache(self, context: torch.Tensor, start: int) -> list:
         """Per-layer keys/values of context features at positions start, start+1, ... (to append to a cache)."""
