@@ -23,7 +23,7 @@ from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, cut, load_schedule, make_backoff
+from decode.scheduler import FixedRule, at, cut, load_schedule, make_backoff
 
 
 @dataclass
@@ -143,13 +143,14 @@ def batched_generate(
 def _draft_all(items: list[_Active], limits: list[int], sampler: Sampler, rule) -> None:
     """Each drafting request's proposal: block drafters in one batched backbone pass, others one by one."""
     if can_batch([item.proposer for item in items]):
+        rules = [at(rule, len(item.context)) for item in items]  # each request's step at its own context
         proposals = propose_blocks([item.proposer for item in items], [item.context for item in items], limits, sampler,
-                                   [item.request.generator for item in items], rule)
-        for item, proposal in zip(items, proposals):
-            item.proposal = proposal if rule is None else proposal.truncate(cut(proposal, rule))
+                                   [item.request.generator for item in items], rules)
+        for item, proposal, own in zip(items, proposals, rules):
+            item.proposal = proposal if own is None else proposal.truncate(cut(proposal, own))
         return
     for item, limit in zip(items, limits):
-        item.proposal = draft(item.proposer, item.context, limit, sampler, item.request.generator, rule)
+        item.proposal = draft(item.proposer, item.context, limit, sampler, item.request.generator, at(rule, len(item.context)))
 
 
 def _leave(session: BatchedSession, active: list[_Active], finished: list[int], results: list) -> None:

@@ -136,7 +136,7 @@ class BenchSetup:
         block = self.proposer.max_draft or cfg.decode.num_draft
         sizes = sorted(set(cfg.bench.concurrency) | {1})
         return load_or_measure(cfg.target.name_or_path, self.target.model, self.proposer, cfg.proposer.path, block,
-                               sizes, cfg.scheduler.profile_context)
+                               sizes, cfg.scheduler.profile_context, contexts=cfg.scheduler.profile_contexts)
 
 
 def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:

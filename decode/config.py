@@ -49,6 +49,9 @@ class SchedulerConfig:
     threshold: float = 0.5
     profile: str | None = None  # a cost-profile JSON to use; None: measured once per machine/dtype/models, cached
     profile_context: int = 256  # context length the profile is measured at
+    # further contexts the one-request verify and draft curves are measured at; scheduler=cost prices each
+    # step at its own context, linear between (and beyond) these. []: one context only.
+    profile_contexts: list[int] = field(default_factory=lambda: [64, 1024])
     # cost/load: after a step that verified nothing, skip the drafter for 1, 2, 4, ... steps (at most this many)
     # before probing again: the fallback to plain decoding where the drafter does not pay. 0: never skip.
     max_skip: int = 16

@@ -18,7 +18,7 @@ import torch
 
 from decode.proposer import Proposal, Proposer
 from decode.sampling import Sampler, sample
-from decode.scheduler import cut, make_backoff
+from decode.scheduler import at, cut, make_backoff
 from decode.session import CausalSession
 from decode.verifier import greedy_accept, rejection_accept
 
@@ -83,7 +83,7 @@ def speculative_generate(
         if backoff is not None and backoff.should_skip():
             proposal = Proposal([])  # plain decoding this step; the drafter is not run
         else:
-            proposal = draft(proposer, context, limit, sampler, generator, scheduler)
+            proposal = draft(proposer, context, limit, sampler, generator, at(scheduler, len(context)))
             if backoff is not None and limit > 0:
                 backoff.observe(len(proposal.tokens))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]

@@ -37,22 +37,40 @@ class CostProfile:
     """Measured seconds. verify[engine][str(rows)][length-1] = seconds for rows × length tokens;
     draft[ℓ] = seconds to draft ℓ positions for one request (ℓ = 0: the backbone pass alone);
     draft_batched[str(rows)] = seconds to draft whole blocks for `rows` requests in one batched pass
-    (block drafters only; None for proposers that draft request by request)."""
+    (block drafters only; None for proposers that draft request by request);
+    by_context[str(C)] = {"verify": [...], "draft": [...]}: the one-request curves again at further
+    context lengths C (attention grows with the context, so the price of one more verified position
+    relative to the step does too); None for profiles measured at one context only."""
 
     fingerprint: dict
     verify: dict
     draft: list[float]
     context_length: int
     draft_batched: dict | None = None
+    by_context: dict | None = None
 
-    def verify_s(self, rows: int, length: int, engine: str = "single") -> float:
-        """Seconds of a verify step of `rows` rows × `length` tokens (linear between measured row counts)."""
+    def verify_s(self, rows: int, length: int, engine: str = "single", context: int | None = None) -> float:
+        """Seconds of a verify step of `rows` rows × `length` tokens (linear between measured row counts);
+        for one request on the single engine at a given context, linear between measured contexts."""
+        if context is not None and rows == 1 and engine == "single" and self.by_context:
+            curves = self._curves("verify")
+            length = min(max(length, 1), min(len(seconds) for seconds in curves.values()))
+            return by_context({c: seconds[length - 1] for c, seconds in curves.items()}, context)
         table = self.verify.get(engine) or self.verify["batched"]
         length = min(max(length, 1), min(len(seconds) for seconds in table.values()))
         return by_rows({int(r): seconds[length - 1] for r, seconds in table.items()}, rows)
 
-    def draft_s(self, length: int) -> float:
+    def draft_s(self, length: int, context: int | None = None) -> float:
+        if context is not None and self.by_context:
+            curves = self._curves("draft")
+            length = min(max(length, 0), min(len(seconds) for seconds in curves.values()) - 1)
+            return by_context({c: seconds[length] for c, seconds in curves.items()}, context)
         return self.draft[min(max(length, 0), len(self.draft) - 1)]
+
+    def _curves(self, kind: str) -> dict[int, list[float]]:
+        """The one-request `kind` curve at every measured context, the base context included."""
+        base = self.verify["single"]["1"] if kind == "verify" else self.draft
+        return {self.context_length: base, **{int(c): curves[kind] for c, curves in self.by_context.items()}}
 
     def draft_rows_s(self, lengths: list[int]) -> float:
         """Seconds the batched engine spends drafting for requests that draft these lengths this step:
@@ -92,7 +110,8 @@ def machine_fingerprint() -> dict:
 
 
 def profile_fingerprint(target_name: str, target_model, drafter_path: str | None, dtype: torch.dtype,
-                        block_size: int, batch_sizes: list[int], context_length: int) -> dict:
+                        block_size: int, batch_sizes: list[int], context_length: int,
+                        contexts: list[int] = ()) -> dict:
     """What the profile's numbers depend on."""
     drafter = None
     if drafter_path:
@@ -108,6 +127,7 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "block_size": block_size,
         "batch_sizes": list(batch_sizes),
         "context_length": context_length,
+        "contexts": sorted(contexts),
         "draft_engine": "batched",  # profiles from before batched drafting lack its curve: measure again
     }
 
@@ -115,6 +135,18 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # GPU kernels run asynchronously: time them to completion
+
+
+def by_context(seconds: dict[int, float], context: int) -> float:
+    """Seconds at `context` from seconds measured at some context lengths: linear between them and
+    beyond them (attention's cost is linear in the context), never below the shortest context's."""
+    measured = sorted(seconds)
+    if len(measured) == 1 or context <= measured[0]:
+        return seconds[measured[0]]
+    pairs = list(zip(measured, measured[1:]))
+    low, high = next(((a, b) for a, b in pairs if context <= b), pairs[-1])
+    w = (context - low) / (high - low)
+    return max((1 - w) * seconds[low] + w * seconds[high], seconds[measured[0]])
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -129,9 +161,8 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int], context_length: int,
-                   repeats: int) -> dict:
-    """Verify-step seconds on both engines: single (rows = 1) and batched (each of batch_sizes)."""
+def measure_single_verify(model, feature_layers, max_length: int, context_length: int, repeats: int) -> list[float]:
+    """Seconds of a batch-1 verify step of 1..max_length tokens after a context of `context_length`."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -145,7 +176,20 @@ def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int
         single.forward(tokens(length))
         single.rollback(context_length)
 
-    table = {"single": {"1": [_median_seconds(lambda: one(n), repeats) for n in range(1, max_length + 1)]}, "batched": {}}
+    return [_median_seconds(lambda: one(n), repeats) for n in range(1, max_length + 1)]
+
+
+def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int], context_length: int,
+                   repeats: int) -> dict:
+    """Verify-step seconds on both engines: single (rows = 1) and batched (each of batch_sizes)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    table = {"single": {"1": measure_single_verify(model, feature_layers, max_length, context_length, repeats)},
+             "batched": {}}
     # One prefilled context, copied into every row: the step's cost depends on shapes, not on the tokens.
     prefill = BatchedSession(model, feature_layers)
     prefill.add(tokens(context_length))
@@ -216,10 +260,17 @@ def measure_draft_batched(proposer, model, context_length: int, max_draft: int, 
 
 def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,
                     batch_sizes: list[int], context_length: int = 256, repeats: int = 3,
-                    cache_dir: Path | None = None) -> tuple[CostProfile, Path, bool]:
+                    cache_dir: Path | None = None, contexts: list[int] = ()) -> tuple[CostProfile, Path, bool]:
     """The profile for this fingerprint: from the cache, else measured now and cached (atomically).
-    Returns (profile, its file, whether it was measured now)."""
-    fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes, context_length)
+    `contexts`: further context lengths the one-request curves are measured at (the cost scheduler
+    then prices each step at its own context). Returns (profile, its file, whether it was measured now)."""
+    if any(int(c) < 1 for c in contexts):
+        raise ValueError(f"scheduler.profile_contexts={list(contexts)}: context lengths must be >= 1")
+    # Contexts a step of this target can reach (prompt + block within its window), the base one apart.
+    window = getattr(model.config, "max_position_embeddings", None) or float("inf")
+    contexts = sorted({int(c) for c in contexts if int(c) + block_size + 1 <= window} - {context_length})
+    fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes,
+                                      context_length, contexts)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir or CACHE_DIR) / f"{key}.json"
     if path.is_file():
@@ -233,8 +284,11 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
                             context_length, repeats)
     draft = measure_draft(proposer, model, context_length, block_size, repeats)
     draft_batched = measure_draft_batched(proposer, model, context_length, block_size, batch_sizes, repeats)
+    feature_layers = proposer.feature_layers if proposer else ()
+    by_context = {str(c): {"verify": measure_single_verify(model, feature_layers, block_size + 1, c, repeats),
+                           "draft": measure_draft(proposer, model, c, block_size, repeats)} for c in contexts} or None
     profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length,
-                          draft_batched=draft_batched)
+                          draft_batched=draft_batched, by_context=by_context)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(profile.to_json(), indent=1))

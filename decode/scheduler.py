@@ -10,6 +10,8 @@ x_j would bias the output (DSpark, App. A; tests/test_schedulers.py shows the bi
 Rules are plain objects with `verify(confidences) -> bool`: `confidences` holds c_1..c_j (calibrated)
 and the answer says whether position j is verified. The proposer asks before sampling x_j, so a
 "no" also saves the drafting of later positions; `cut` applies a rule to a finished proposal.
+`at(rule, context_length)` is the rule for a step at that context (the cost rule prices the step
+there; the context is known before anything of the step is drafted, so this keeps the property).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ class Backoff:
         self.skip = min(2 ** (self.streak - 1), self.max_skip)
 
 
+def at(rule, context_length: int):
+    """The rule for one step of a request whose context holds `context_length` tokens."""
+    return rule.at(context_length) if hasattr(rule, "at") else rule
+
+
 def make_backoff(rule) -> Backoff | None:
     """One per request, for rules that ask for it (max_skip > 0)."""
     max_skip = getattr(rule, "max_skip", 0)
@@ -86,17 +93,22 @@ def make_backoff(rule) -> Backoff | None:
 class CostRule:
     """Latency mode for one request: extend the verify length while the expected tokens per second
     (1 + Σ_{j≤ℓ} a_j) / (t_draft(ℓ) + t_verify(1 + ℓ)) improves; stop at the first non-improvement.
-    Times come from a measured cost profile (decode/profile.py). ℓ = 0 (plain decoding this step)
-    is chosen from c_1 alone, which needs only the backbone pass and the known anchor."""
+    Times come from a measured cost profile (decode/profile.py), at the step's context when the
+    profile has curves at several contexts (`at`; None: the profile's base context). ℓ = 0 (plain
+    decoding this step) is chosen from c_1 alone, which needs only the backbone pass and the known anchor."""
 
     needs_confidence = True
 
-    def __init__(self, profile, rows: int = 1, max_skip: int = 16):
-        self.profile, self.rows, self.max_skip = profile, rows, max_skip
+    def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None):
+        self.profile, self.rows, self.max_skip, self.context = profile, rows, max_skip, context
+
+    def at(self, context_length: int) -> "CostRule":
+        return CostRule(self.profile, self.rows, self.max_skip, context_length)
 
     def rate(self, confidences: list[float]) -> float:
         length = len(confidences)
-        seconds = self.profile.draft_s(length) + self.profile.verify_s(self.rows, 1 + length)
+        seconds = (self.profile.draft_s(length, self.context)
+                   + self.profile.verify_s(self.rows, 1 + length, context=self.context))
         return expected_tokens(confidences) / seconds
 
     def verify(self, confidences: list[float]) -> bool:

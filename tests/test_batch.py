@@ -9,9 +9,9 @@ from decode.batch_generate import LoadPolicy, Request, batched_generate
 from decode.batch_session import BatchedSession
 from decode.generate import speculative_generate
 from decode.profile import CostProfile
-from decode.proposer import BlockDrafterProposer, ModelProposer, NoProposer
+from decode.proposer import BlockDrafterProposer, ModelProposer, NoProposer, Proposal
 from decode.sampling import Sampler
-from decode.scheduler import CostRule, ThresholdRule
+from decode.scheduler import CostRule, ThresholdRule, cut
 from decode.session import CausalSession
 from tests.conftest import hf_greedy, tiny_llama
 from tests.test_drafter import make_drafter
@@ -26,6 +26,31 @@ def synthetic_profile(rows=(1, 2, 4), length=5, per_token=0.002) -> CostProfile:
     table = {str(r): [0.010 + per_token * r * n for n in range(1, length + 1)] for r in rows}
     return CostProfile(fingerprint={}, verify={"single": {"1": table["1"]}, "batched": table},
                        draft=[0.003 + 0.001 * n for n in range(length)], context_length=16)
+
+
+def context_profile(length=5) -> CostProfile:
+    """synthetic_profile at context 2, plus one-request curves at context 12 where a step costs more
+    but one more verified position costs much less (attention dominates a long context's step)."""
+    profile = synthetic_profile(length=length, per_token=0.004)
+    profile.context_length = 2
+    profile.by_context = {"12": {"verify": [0.030 + 0.0005 * n for n in range(1, length + 1)],
+                                 "draft": [0.003 + 0.001 * n for n in range(length)]}}
+    return profile
+
+
+def test_profile_prices_a_step_at_its_context():
+    profile = context_profile()
+    assert profile.verify_s(1, 1) == pytest.approx(0.014)  # no context given: the base curve
+    assert profile.verify_s(1, 1, context=2) == pytest.approx(0.014)
+    assert profile.verify_s(1, 1, context=7) == pytest.approx(0.02225)  # halfway between the contexts
+    assert profile.verify_s(1, 1, context=22) == pytest.approx(0.047)  # beyond them: the same line
+    assert profile.verify_s(1, 1, context=1) == pytest.approx(0.014)  # never below the shortest context's
+    assert profile.draft_s(2, context=12) == pytest.approx(0.005)
+    assert profile.verify_s(2, 1, "batched", context=12) == pytest.approx(0.018)  # batched steps: by rows only
+    # The cost rule verifies more where one more position is cheap relative to the step.
+    rule, block = CostRule(profile), Proposal([1, 2, 3], confidence=torch.tensor([0.5, 0.5, 0.5]))
+    assert cut(block, rule.at(2)) == 1
+    assert cut(block, rule.at(12)) == 3
 
 
 def test_batched_draft_time_comes_from_its_own_curve():
@@ -77,8 +102,9 @@ def test_batched_equals_batch1_for_every_request(sampler):
     assert len(accepted) > 2, "rows should accept ragged lengths"
 
 
-@pytest.mark.parametrize("rule", [ThresholdRule(0.5), CostRule(synthetic_profile(per_token=0.004), max_skip=4)],
-                         ids=["threshold", "cost_with_backoff"])
+@pytest.mark.parametrize("rule", [ThresholdRule(0.5), CostRule(synthetic_profile(per_token=0.004), max_skip=4),
+                                  CostRule(context_profile(), max_skip=4)],
+                         ids=["threshold", "cost_with_backoff", "cost_by_context"])
 def test_batched_with_stopping_rules_equals_batch1(rule):
     target, drafter = make_drafter("dspark")
     proposer = BlockDrafterProposer(drafter, (1, 2))

@@ -45,7 +45,7 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
 
     out = tmp_path / "cost"
     summary = run_bench(config(tiny_model_dir, prompts_file, out, f"proposer.path={tiny_export}", "scheduler=cost",
-                               "bench.num_prompts=2"))
+                               "bench.num_prompts=2", "scheduler.profile_contexts=[64,300,1024]"))
     assert summary["lossless"] is True
     assert summary["calibration"] == str(tiny_export / "calibration.json")
     assert summary["profile"]["measured_now"] is True
@@ -53,9 +53,14 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
     assert len(profile["draft"]) == 4 and set(profile["verify"]) == {"single", "batched"}
     assert set(profile["draft_batched"]) == set(profile["verify"]["batched"])  # one batched draft per row count
     assert all(seconds > 0 for seconds in profile["draft_batched"].values())
+    # The one-request curves again at the further contexts (scheduler.profile_contexts) the target's window
+    # of 512 positions allows, for pricing each step at its own context.
+    assert set(profile["by_context"]) == {"64", "300"} and profile["fingerprint"]["contexts"] == [64, 300]
+    for curves in profile["by_context"].values():
+        assert len(curves["verify"]) == 4 and len(curves["draft"]) == 4 and min(curves["verify"] + curves["draft"]) > 0
     # The second run reads the cached profile instead of measuring again.
     again = run_bench(config(tiny_model_dir, prompts_file, out, f"proposer.path={tiny_export}", "scheduler=cost",
-                             "bench.num_prompts=1", "bench.baselines=false"))
+                             "bench.num_prompts=1", "bench.baselines=false", "scheduler.profile_contexts=[64,300,1024]"))
     assert again["profile"]["measured_now"] is False and again["profile"]["path"] == summary["profile"]["path"]
 
 

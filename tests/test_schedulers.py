@@ -15,7 +15,7 @@ from decode.proposer import BlockDrafterProposer, Proposal
 from decode.sampling import Sampler, sample
 from decode.scheduler import CostRule, FixedRule, ThresholdRule, cut, expected_tokens, load_schedule
 from tests.conftest import tiny_llama
-from tests.test_batch import synthetic_profile
+from tests.test_batch import context_profile, synthetic_profile
 from tests.test_sampling_lossless import (
     START,
     VOCAB,
@@ -84,6 +84,7 @@ RULES = {
     "fixed": FixedRule(),
     "threshold": ThresholdRule(0.5),
     "cost": CostRule(synthetic_profile(length=3)),
+    "cost_by_context": CostRule(context_profile(length=3)),
 }
 
 
