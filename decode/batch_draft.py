@@ -35,6 +35,8 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
     proposals = [Proposal([]) for _ in proposers]
     if not rows:
         return proposals
+    for r in rows:
+        proposers[r].flush()
     drafter = proposers[rows[0]].drafter
     device = drafter.draft_to_target.device
     anchors = torch.tensor([contexts[r][-1] for r in rows], device=device)  # (R,)
