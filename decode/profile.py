@@ -149,16 +149,21 @@ def by_context(seconds: dict[int, float], context: int) -> float:
     return max((1 - w) * seconds[low] + w * seconds[high], seconds[measured[0]])
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _median_curve(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each of `fns`, measured in rounds (fn 0, 1, ..., then again) after one warm-up
+    call each: what a scheduler reads is the ratio between points of a curve, and a machine's speed
+    drifts (other processes, clocks), so every point is sampled across the same stretch of time."""
+    for fn in fns:
+        fn()  # warm-up: first-call allocations stay out of the figures
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times):
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def measure_single_verify(model, feature_layers, max_length: int, context_length: int, repeats: int) -> list[float]:
@@ -176,7 +181,7 @@ def measure_single_verify(model, feature_layers, max_length: int, context_length
         single.forward(tokens(length))
         single.rollback(context_length)
 
-    return [_median_seconds(lambda: one(n), repeats) for n in range(1, max_length + 1)]
+    return _median_curve([lambda n=n: one(n) for n in range(1, max_length + 1)], repeats)
 
 
 def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int], context_length: int,
@@ -203,7 +208,7 @@ def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int
             session.forward([feed[:length] for feed in feeds])
             session.keep([0] * rows)
 
-        table["batched"][str(rows)] = [_median_seconds(lambda: step(n), repeats) for n in range(1, max_length + 1)]
+        table["batched"][str(rows)] = _median_curve([lambda n=n: step(n) for n in range(1, max_length + 1)], repeats)
     return table
 
 
@@ -233,7 +238,7 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
         # ℓ = 0 still runs the backbone pass (c_1 decides it), so draft one position and stop before sampling it.
         proposer.propose(context, max(length, 1), sampler, generator, StopAfter(length))
 
-    return [_median_seconds(lambda: draft(n), repeats) for n in range(0, max_draft + 1)]
+    return _median_curve([lambda n=n: draft(n) for n in range(0, max_draft + 1)], repeats)
 
 
 def measure_draft_batched(proposer, model, context_length: int, max_draft: int, batch_sizes: list[int],
@@ -255,11 +260,11 @@ def measure_draft_batched(proposer, model, context_length: int, max_draft: int, 
     def draft(rows):
         propose_blocks(requests[:rows], [context] * rows, [max_draft] * rows, sampler, generators[:rows])
 
-    return {str(rows): _median_seconds(lambda: draft(rows), repeats) for rows in batch_sizes}
+    return dict(zip(map(str, batch_sizes), _median_curve([lambda r=r: draft(r) for r in batch_sizes], repeats)))
 
 
 def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,
-                    batch_sizes: list[int], context_length: int = 256, repeats: int = 3,
+                    batch_sizes: list[int], context_length: int = 256, repeats: int = 5,
                     cache_dir: Path | None = None, contexts: list[int] = ()) -> tuple[CostProfile, Path, bool]:
     """The profile for this fingerprint: from the cache, else measured now and cached (atomically).
     `contexts`: further context lengths the one-request curves are measured at (the cost scheduler
