@@ -129,6 +129,7 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "context_length": context_length,
         "contexts": sorted(contexts),
         "draft_engine": "batched",  # profiles from before batched drafting lack its curve: measure again
+        "method": "rounds",  # profiles measured point by point (before round-robin sampling): measure again
     }
 
 
