@@ -107,8 +107,12 @@ class CostRule:
 
     def rate(self, confidences: list[float]) -> float:
         length = len(confidences)
-        seconds = (self.profile.draft_s(length, self.context)
-                   + self.profile.verify_s(self.rows, 1 + length, context=self.context))
+        # ℓ = 0 is plain decoding: no drafting. The backbone pass that produced c_1 is already paid
+        # when this is asked, but declining lets the backoff stop running the drafter, so the first
+        # position has to beat plain decoding with its drafting cost included, not a step that has
+        # paid for a probe and verifies nothing; once a step speculates, its drafting counts in full.
+        drafting = self.profile.draft_s(length, self.context) if length else 0.0
+        seconds = drafting + self.profile.verify_s(self.rows, 1 + length, context=self.context)
         return expected_tokens(confidences) / seconds
 
     def verify(self, confidences: list[float]) -> bool:
@@ -137,7 +141,8 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
 
     survival[r] holds a_{r,1..k_r} (non-increasing) for each request; every request always gets its
     target token. Pairs (r, j) are admitted in order of a_{r,j} (ties: lower j first, then lower r)
-    while Θ = expected tokens / step seconds improves; the first non-improvement stops admission.
+    while Θ = expected tokens / step seconds improves, starting from plain decoding's Θ (no drafting);
+    the first non-improvement stops admission.
     Admitting (r, j) depends only on pairs ranked above it, which for request r are positions < j:
     nothing about x_{r,j} or later positions enters the decision (the stopping-rule property).
     `verify_s(rows, length)` is the verify-step time of the engine's padded (rows, length) shape.
@@ -148,7 +153,9 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
                    key=lambda item: (-item[0], item[1], item[2]))
     lengths = [0] * rows
     expected = float(rows)  # each request's own target token
-    best = expected / (draft_s + verify_s(rows, 1))
+    # The bar is plain decoding without the drafter (as for CostRule's ℓ = 0): admitting nothing lets
+    # the requests' backoff stop drafting, so the first admissions must pay for the drafting too.
+    best = expected / verify_s(rows, 1)
     for a, j, r in pairs:
         if j != lengths[r]:  # a tie broke the prefix order; positions of a request are admitted in order
             break

@@ -15,7 +15,7 @@ from decode.proposer import BlockDrafterProposer, Proposal
 from decode.sampling import Sampler, sample
 from decode.scheduler import CostRule, FixedRule, ThresholdRule, cut, expected_tokens, load_schedule
 from tests.conftest import tiny_llama
-from tests.test_batch import context_profile, synthetic_profile
+from tests.test_batch import cheap_profile, context_profile, synthetic_profile
 from tests.test_sampling_lossless import (
     START,
     VOCAB,
@@ -120,6 +120,9 @@ def test_load_schedule_admits_by_survival_and_stops_at_first_non_improvement():
     assert load_schedule([[0.01], [0.02]], 0.0, verify) == [0, 0]
     # Free verification: everything is admitted.
     assert load_schedule([[0.5, 0.2], [0.3]], 0.0, lambda r, n: 1.0) == [2, 1]
+    # The bar is plain decoding without the drafter: a step that drafted must pay for its drafting.
+    assert load_schedule([[0.3]], 0.0, verify) == [1]  # 1.3 tokens in 14 ms beat 1 in 12 ms
+    assert load_schedule([[0.3]], 0.01, verify) == [0]  # not in 24 ms
 
 
 def enumerated_joint(model, prompt, sampler, length=2) -> np.ndarray:
@@ -148,7 +151,7 @@ def test_load_scheduler_keeps_batched_sampling_lossless():
     drafter.copy_target_weights(target)
     proposer = BlockDrafterProposer(drafter, (1, 2))
     prompt, s = [2, 5, 3], Sampler(temperature=1.0)
-    load = LoadPolicy(synthetic_profile(rows=(1, 2, 4, 8), length=4, per_token=0.0002))
+    load = LoadPolicy(cheap_profile(rows=(1, 2, 4, 8), length=4))
     samples = []
     for batch in range(300):
         requests = [Request(prompt, 4, torch.Generator().manual_seed(1000 * batch + i)) for i in range(8)]
