@@ -62,12 +62,11 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
             for i in live:  # the rule sees c_1..c_k before x_k is drawn, as in `propose`
                 raw[rows[i]].append(z[i])
                 confidence[rows[i]].append(scores[i])
-            if any(rules[rows[i]] is not None for i in live):
-                stopped = [i for i in live if rules[rows[i]] is not None
-                           and not rules[rows[i]].verify([float(c) for c in confidence[rows[i]]])]
-                for i in stopped:
-                    confidence[rows[i]].pop(), raw[rows[i]].pop()
-                live = [i for i in live if i not in stopped]
+            stopped = [i for i in live if rules[rows[i]] is not None
+                       and not rules[rows[i]].verify([float(c) for c in confidence[rows[i]]])]
+            for i in stopped:
+                confidence[rows[i]].pop(), raw[rows[i]].pop()
+            live = [i for i in live if i not in stopped]
             bias, state = heads.markov_step(embedding, hidden, state)
         if not live:
             break

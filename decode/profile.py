@@ -167,14 +167,15 @@ def _median_curve(fns: list, repeats: int) -> list[float]:
     return [statistics.median(samples) for samples in times]
 
 
+def _token_source(model, seed: int = 0):
+    """tokens(n): n random token ids of the model's vocabulary (a step's cost depends on shapes, not tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return lambda n: torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist()
+
+
 def measure_single_verify(model, feature_layers, max_length: int, context_length: int, repeats: int) -> list[float]:
     """Seconds of a batch-1 verify step of 1..max_length tokens after a context of `context_length`."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-
-    def tokens(n):
-        return torch.randint(0, vocab, (n,), generator=generator).tolist()
-
+    tokens = _token_source(model)
     single = CausalSession(model, feature_layers)
     single.forward(tokens(context_length))
 
@@ -188,12 +189,7 @@ def measure_single_verify(model, feature_layers, max_length: int, context_length
 def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int], context_length: int,
                    repeats: int) -> dict:
     """Verify-step seconds on both engines: single (rows = 1) and batched (each of batch_sizes)."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-
-    def tokens(n):
-        return torch.randint(0, vocab, (n,), generator=generator).tolist()
-
+    tokens = _token_source(model)
     table = {"single": {"1": measure_single_verify(model, feature_layers, max_length, context_length, repeats)},
              "batched": {}}
     # One prefilled context, copied into every row: the step's cost depends on shapes, not on the tokens.
@@ -217,8 +213,7 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
     """Seconds to draft ℓ = 0..max_draft positions for one request at a context of `context_length`."""
     if proposer is None or max_draft == 0:
         return [0.0] * (max_draft + 1)
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, model.config.vocab_size, (context_length,), generator=generator).tolist()
+    context = _token_source(model)(context_length)
     session = CausalSession(model, proposer.feature_layers)
     _, features = session.forward(context)
     proposer = proposer.clone()
@@ -247,8 +242,7 @@ def measure_draft_batched(proposer, model, context_length: int, max_draft: int, 
     """Seconds to draft a whole block for each of `rows` requests in one batched pass (block drafters)."""
     if max_draft == 0 or not isinstance(proposer, BlockDrafterProposer):
         return None
-    generator = torch.Generator().manual_seed(1)
-    context = torch.randint(0, model.config.vocab_size, (context_length,), generator=generator).tolist()
+    context = _token_source(model, seed=1)(context_length)
     _, features = CausalSession(model, proposer.feature_layers).forward(context)
     requests = []
     for _ in range(max(batch_sizes)):
