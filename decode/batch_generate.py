@@ -23,7 +23,7 @@ from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, at, cut, load_schedule, make_backoff
+from decode.scheduler import FixedRule, at, can_pay, cut, load_schedule, make_backoff, worth_drafting
 
 
 @dataclass
@@ -109,11 +109,18 @@ def batched_generate(
 
         drafting, limits = [], []
         for item in active:
+            limit = min(num_draft, item.request.max_new_tokens - len(item.result.output_ids) - 1)
             item.skipped = item.backoff is not None and item.backoff.should_skip()
+            if not item.skipped and load is None and limit > 0:
+                item.skipped = not worth_drafting(at(rule, len(item.context)), limit)
             item.proposal = Proposal([])  # plain decoding for this request this step, unless it drafts below
             if not item.skipped:
                 drafting.append(item)
-                limits.append(min(num_draft, item.request.max_new_tokens - len(item.result.output_ids) - 1))
+                limits.append(limit)
+        if load is not None and drafting and not _load_can_pay(load, len(active), limits):
+            for item in drafting:
+                item.skipped = True  # no admission could pay at this load: nobody drafts this step
+            drafting, limits = [], []
         _draft_all(drafting, limits, sampler, None if load else rule)  # scheduler=load admits batch-wide below
         if load is not None:
             _admit(active, load)
@@ -160,6 +167,17 @@ def _leave(session: BatchedSession, active: list[_Active], finished: list[int], 
         results[active[i].index] = active[i].result
     session.remove(finished)
     active[:] = [item for i, item in enumerate(active) if i not in set(finished)]
+
+
+def _load_can_pay(load: LoadPolicy, rows: int, limits: list[int]) -> bool:
+    """Whether any admission could beat plain decoding on this step's shape (DSpark's Θ with every drafted
+    position sure to survive); on a compute-bound batch it cannot, and probing would only cost time."""
+    drafting = sum(1 for limit in limits if limit > 0)
+    if not drafting:
+        return True  # nothing would be drafted anyway
+    draft_s = load.profile.draft_rows_s([limit for limit in limits if limit > 0])  # whole blocks, one pass
+    return can_pay(rows, drafting, max(limits), lambda length: draft_s,
+                   lambda r, length: load.profile.verify_s(r, length, "batched"))
 
 
 def _admit(active: list[_Active], load: LoadPolicy) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from decode.proposer import Proposal, Proposer
 from decode.sampling import Sampler, sample
-from decode.scheduler import at, cut, make_backoff
+from decode.scheduler import at, cut, make_backoff, worth_drafting
 from decode.session import CausalSession
 from decode.verifier import greedy_accept, rejection_accept
 
@@ -80,11 +80,12 @@ def speculative_generate(
         room = max_new_tokens - len(result.output_ids)
         # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
         limit = min(num_draft, room - 1)
-        if backoff is not None and backoff.should_skip():
-            proposal = Proposal([])  # plain decoding this step; the drafter is not run
+        rule = at(scheduler, len(context))
+        if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit):
+            proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
-            proposal = draft(proposer, context, limit, sampler, generator, at(scheduler, len(context)))
-            if backoff is not None and limit > 0:
+            proposal = draft(proposer, context, limit, sampler, generator, rule)
+            if backoff is not None:
                 backoff.observe(len(proposal.tokens))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
         logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)

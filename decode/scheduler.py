@@ -84,6 +84,23 @@ def at(rule, context_length: int):
     return rule.at(context_length) if hasattr(rule, "at") else rule
 
 
+def can_pay(rows: int, drafting: int, max_length: int, draft_s, verify_s) -> bool:
+    """Whether speculating could beat plain decoding this step at all: True if some verify length
+    L <= max_length beats plain decoding's rows / verify_s(rows, 1) even when every one of `drafting`
+    requests' L positions surely survived (expected rows + drafting·L tokens, in draft_s(L) +
+    verify_s(rows, 1 + L) seconds). Where it cannot (a compute-bound batch, or a step whose one more
+    position costs more than a whole token), the scheduler runs no drafter this step: the decision
+    reads only shapes and the profile, never a drafted token, so it keeps the stopping-rule property."""
+    plain = rows / verify_s(rows, 1)
+    return any((rows + drafting * length) / (draft_s(length) + verify_s(rows, 1 + length)) > plain
+               for length in range(1, max_length + 1))
+
+
+def worth_drafting(rule, limit: int) -> bool:
+    """False when the rule knows from its profile that no draft of at most `limit` positions can pay."""
+    return limit > 0 and (not hasattr(rule, "can_pay") or rule.can_pay(limit))
+
+
 def make_backoff(rule) -> Backoff | None:
     """One per request, for rules that ask for it (max_skip > 0)."""
     max_skip = getattr(rule, "max_skip", 0)
@@ -117,6 +134,11 @@ class CostRule:
 
     def verify(self, confidences: list[float]) -> bool:
         return self.rate(confidences) > self.rate(confidences[:-1])
+
+    def can_pay(self, limit: int) -> bool:
+        """Whether some ℓ <= limit could beat plain decoding at this context if every position survived."""
+        return can_pay(self.rows, 1, limit, lambda length: self.profile.draft_s(length, self.context),
+                       lambda rows, length: self.profile.verify_s(rows, length, context=self.context))
 
 
 def cut(proposal: Proposal, rule) -> int:

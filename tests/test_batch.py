@@ -36,6 +36,15 @@ def cheap_profile(rows=(1, 2, 4), length=5) -> CostProfile:
     return profile
 
 
+def dear_profile(rows=(1, 2, 4), length=5) -> CostProfile:
+    """A compute-bound engine: a verified token costs as much as a whole plain step's share, and drafting
+    is dear, so no draft could pay even if every position survived."""
+    profile = synthetic_profile(rows=rows, length=length, per_token=0.02)
+    profile.draft = [0.2] * length
+    profile.draft_batched = {"1": 0.05, str(max(rows)): 0.2}
+    return profile
+
+
 def context_profile(length=5) -> CostProfile:
     """synthetic_profile at context 2, plus one-request curves at context 12 where a step costs more
     but one more verified position costs much less (attention dominates a long context's step)."""
@@ -111,8 +120,8 @@ def test_batched_equals_batch1_for_every_request(sampler):
 
 
 @pytest.mark.parametrize("rule", [ThresholdRule(0.5), CostRule(synthetic_profile(per_token=0.004), max_skip=4),
-                                  CostRule(context_profile(), max_skip=4)],
-                         ids=["threshold", "cost_with_backoff", "cost_by_context"])
+                                  CostRule(context_profile(), max_skip=4), CostRule(dear_profile())],
+                         ids=["threshold", "cost_with_backoff", "cost_by_context", "cost_never_pays"])
 def test_batched_with_stopping_rules_equals_batch1(rule):
     target, drafter = make_drafter("dspark")
     proposer = BlockDrafterProposer(drafter, (1, 2))
@@ -128,6 +137,22 @@ def test_load_scheduler_is_lossless_at_T0_and_admits_ragged_lengths():
     for prompt, limit, out in zip(PROMPTS, LIMITS, got):
         assert out == hf_greedy(target, prompt, limit, EOS)
     assert load.admitted and len({d for g in gens for d in g.drafted}) > 1
+
+
+def test_load_scheduler_runs_no_drafter_where_no_admission_can_pay(monkeypatch):
+    target, drafter = make_drafter("dspark")
+    passes = []
+    forward_blocks = drafter.forward_blocks
+    monkeypatch.setattr(drafter, "forward_blocks", lambda *a, **k: passes.append(1) or forward_blocks(*a, **k))
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    load = LoadPolicy(dear_profile())
+    got, gens = batched(target, proposer, Sampler(), 4, load=load)
+    for prompt, limit, out in zip(PROMPTS, LIMITS, got):
+        assert out == hf_greedy(target, prompt, limit, EOS)
+    assert not passes and not any(d for g in gens for d in g.drafted)
+    # The same engine with a profile where admissions pay does run the drafter.
+    batched(target, proposer, Sampler(), 4, load=LoadPolicy(cheap_profile()))
+    assert passes
 
 
 def test_plain_batched_decoding_equals_hf_greedy():

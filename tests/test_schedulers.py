@@ -13,9 +13,9 @@ from decode.batch_generate import LoadPolicy, Request, batched_generate
 from decode.generate import speculative_generate
 from decode.proposer import BlockDrafterProposer, Proposal
 from decode.sampling import Sampler, sample
-from decode.scheduler import CostRule, FixedRule, ThresholdRule, cut, expected_tokens, load_schedule
+from decode.scheduler import CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_schedule
 from tests.conftest import tiny_llama
-from tests.test_batch import cheap_profile, context_profile, synthetic_profile
+from tests.test_batch import cheap_profile, context_profile, dear_profile, synthetic_profile
 from tests.test_sampling_lossless import (
     START,
     VOCAB,
@@ -193,3 +193,20 @@ def test_cost_rule_with_backoff_stays_lossless_and_skips_the_drafter():
     assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
     steps = len(samples) * 3  # at least 3 verify steps per generation of 3 + 2 tokens
     assert CountingDrafter.calls < steps
+
+
+def test_can_pay_bounds_what_speculation_could_gain():
+    verify = lambda rows, length: 0.01 + 0.002 * rows * length  # noqa: E731
+    assert can_pay(1, 1, 3, lambda n: 0.002, verify)  # 2 sure tokens in 16 ms beat 1 in 12 ms
+    assert not can_pay(1, 1, 3, lambda n: 0.05, verify)  # drafting dearer than any sure gain
+    # Compute-bound: a step's time proportional to its tokens, so no verify length beats plain decoding.
+    assert not can_pay(4, 4, 3, lambda n: 0.001, lambda rows, length: 0.01 * rows * length)
+    # A few drafting requests in a wide batch add too little to pay for widening every row.
+    assert can_pay(4, 4, 1, lambda n: 0.0, verify) and not can_pay(4, 1, 1, lambda n: 0.0, verify)
+
+
+def test_cost_rule_runs_no_drafter_where_no_draft_can_pay():
+    CountingDrafter.calls = 0
+    samples = loop_samples(CountingDrafter(markov_tables()[1]), CostRule(dear_profile(length=3), max_skip=0), n=1000)
+    assert CountingDrafter.calls == 0
+    assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
