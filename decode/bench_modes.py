@@ -11,6 +11,7 @@ them with the export, reports ECE/Brier/AUROC before and after, and draws a reli
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -108,11 +109,24 @@ def _closed_loop(bench, concurrency: int, proposer, num_draft: int, load: LoadPo
     }
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One method's figures over bench.load_repeats runs: each rate is the median of its runs (this
+    machine's speed drifts between runs; rotating the methods and taking medians keeps the ratios
+    between methods from depending on which ran in a slow stretch). Seeds repeat, so outputs do too."""
+    row = dict(runs[0])
+    for key in ("total_tokens_per_s", "per_request_tokens_per_s", "seconds"):
+        row[key] = statistics.median(run[key] for run in runs)
+    row["total_tokens_per_s_runs"] = [run["total_tokens_per_s"] for run in runs]
+    return row
+
+
 def run_load(bench) -> dict:
     """Plain, fixed and load-scheduled batched decoding at each concurrency."""
     cfg = bench.cfg
     profile, path, measured = bench.profile()
     num_draft = cfg.decode.num_draft
+    if cfg.bench.load_repeats < 1:
+        raise ValueError(f"bench.load_repeats={cfg.bench.load_repeats}; it must be >= 1 (runs per method and concurrency)")
     # Warm-up: first-call allocations stay out of the first measurement.
     warm = Request(bench.encoded[0][:16], 4)
     batched_generate(bench.target.model, [warm], bench.proposer, bench.sampler, num_draft, bench.stop, max_concurrency=1)
@@ -120,12 +134,16 @@ def run_load(bench) -> dict:
     for concurrency in tqdm(cfg.bench.concurrency, desc="concurrency", mininterval=5):
         row = {"concurrency": concurrency}
         load = LoadPolicy(profile, LoadRule(cfg.scheduler.max_skip))
-        # Rotate the order per concurrency so no method always runs first.
+        # Rotate the order per concurrency and per repeat so no method always runs first.
         methods = [("plain", NoProposer(), 0, None), ("fixed", bench.proposer, num_draft, None),
                    ("scheduled", bench.proposer, num_draft, load)]
-        shift = len(table) % len(methods)
-        for name, proposer, k, policy in methods[shift:] + methods[:shift]:
-            row[name] = _closed_loop(bench, concurrency, proposer, k, policy)
+        runs = {name: [] for name, *_ in methods}
+        for repeat in range(cfg.bench.load_repeats):
+            shift = (len(table) + repeat) % len(methods)
+            for name, proposer, k, policy in methods[shift:] + methods[:shift]:
+                runs[name].append(_closed_loop(bench, concurrency, proposer, k, policy))
+        for name, measured in runs.items():
+            row[name] = _median_run(measured)
         greedy_same = None
         if bench.sampler.greedy:
             greedy_same = row["scheduled"]["outputs"] == row["plain"]["outputs"] == row["fixed"]["outputs"]

@@ -76,6 +76,7 @@ class BenchSettings:
     sweep_lengths: list[int] | None = None  # mode=sweep: fixed verify lengths (None: 1..block size)
     sweep_thresholds: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7, 0.9])
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # mode=load
+    load_repeats: int = 1  # mode=load: runs of each method per concurrency, rotated; rates are their medians
 
 
 @dataclass

@@ -73,16 +73,21 @@ def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path
 
 def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_export):
     summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path, f"proposer.path={tiny_export}", "bench.mode=load",
-                               "bench.num_prompts=3"))
+                               "bench.num_prompts=3", "bench.load_repeats=3"))
     assert [row["concurrency"] for row in summary["table"]] == [1, 2]
     for row in summary["table"]:
         assert row["outputs_equal_at_T0"] is True
         for name in ("plain", "fixed", "scheduled"):
-            assert row[name]["total_tokens_per_s"] > 0 and row[name]["per_request_tokens_per_s"] > 0
+            runs = row[name]["total_tokens_per_s_runs"]
+            assert len(runs) == 3 and row[name]["total_tokens_per_s"] == sorted(runs)[1]  # the median run's rate
+            assert row[name]["per_request_tokens_per_s"] > 0
     assert (tmp_path / "load_sweep.png").stat().st_size > 1000
 
 
 def test_unknown_mode_and_missing_confidence_head_are_refused(tiny_model_dir, prompts_file, tmp_path):
+    with pytest.raises(ValueError, match="bench.load_repeats=0"):
+        run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=ngram", "bench.mode=load",
+                         "bench.load_repeats=0"))
     with pytest.raises(ValueError, match="bench.mode='fast'"):
         run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=ngram", "bench.mode=fast"))
     with pytest.raises(ValueError, match="confidence head"):
