@@ -46,7 +46,6 @@ class _Active:
     proposal: Proposal | None = None
     done: bool = False
     backoff: object = None
-    skipped: bool = False
 
 
 @dataclass
@@ -54,7 +53,7 @@ class LoadPolicy:
     """scheduler=load: the measured cost profile (each request offers its whole drafted block)."""
 
     profile: object
-    rule: object = None  # the per-request LoadRule (its max_skip drives the backoff), None: no backoff
+    rule: object = None  # the LoadRule (its max_skip drives the batch-wide backoff), None: no backoff
     admitted: list[int] = field(default_factory=list)  # per step: verify positions admitted, for reports
 
 
@@ -88,6 +87,10 @@ def batched_generate(
     results: list[Generation | None] = [None] * len(requests)
     queue = list(enumerate(requests))
     active: list[_Active] = []
+    # scheduler=load admits batch-wide, so it backs off batch-wide too: after a step that admitted nothing,
+    # nobody drafts for 1, 2, 4, ... steps, and requests that join inherit that state. Per-request
+    # backoffs would probe out of phase, so under load nearly every step would pay a batched probe.
+    engine_backoff = make_backoff(load.rule) if load is not None else None
 
     while queue or active:
         while queue and len(active) < max_concurrency:  # join: prefill alone, merge as the last row
@@ -99,7 +102,7 @@ def batched_generate(
                            Generation(output_ids=[first]), started)
             item.result.ttft_s = time.perf_counter() - started
             item.proposer.start(list(item.context), features)
-            item.backoff = make_backoff(load.rule if load is not None else rule)
+            item.backoff = make_backoff(rule) if load is None else None
             item.done = first in eos or request.max_new_tokens == 1
             active.append(item)
         finished = [i for i, item in enumerate(active) if item.done]
@@ -107,25 +110,14 @@ def batched_generate(
             _leave(session, active, finished, results)
             continue
 
-        drafting, limits = [], []
-        for item in active:
-            limit = min(num_draft, item.request.max_new_tokens - len(item.result.output_ids) - 1)
-            item.skipped = item.backoff is not None and item.backoff.should_skip()
-            if not item.skipped and load is None and limit > 0:
-                item.skipped = not worth_drafting(at(rule, len(item.context)), limit)
-            item.proposal = Proposal([])  # plain decoding for this request this step, unless it drafts below
-            if not item.skipped:
-                drafting.append(item)
-                limits.append(limit)
-        if load is not None and drafting and not _load_can_pay(load, len(active), limits):
-            for item in drafting:
-                item.skipped = True  # no admission could pay at this load: nobody drafts this step
-            drafting, limits = [], []
+        drafting, limits = _drafting(active, num_draft, rule, load, engine_backoff)
         _draft_all(drafting, limits, sampler, None if load else rule)  # scheduler=load admits batch-wide below
         if load is not None:
-            _admit(active, load)
-        for item in active:
-            if item.backoff is not None and not item.skipped and item.request.max_new_tokens - len(item.result.output_ids) > 1:
+            admitted = _admit(active, load)
+            if engine_backoff is not None and any(limits):
+                engine_backoff.observe(admitted)
+        for item, limit in zip(drafting, limits):
+            if item.backoff is not None and limit > 0:
                 item.backoff.observe(len(item.proposal.tokens))
 
         rows = [[item.context[-1]] + item.proposal.tokens for item in active]
@@ -145,6 +137,28 @@ def batched_generate(
         if finished:
             _leave(session, active, finished, results)
     return results
+
+
+def _drafting(active: list[_Active], num_draft: int, rule, load: LoadPolicy | None, engine_backoff) -> tuple[list, list]:
+    """The requests that draft this step and at most how many positions each; the others decode plainly.
+    Decided from finished steps, shapes and the profile only, before anything of this step is drafted."""
+    for item in active:
+        item.proposal = Proposal([])  # plain decoding for this request this step, unless it drafts
+    room = [min(num_draft, item.request.max_new_tokens - len(item.result.output_ids) - 1) for item in active]
+    if load is not None:
+        if engine_backoff is not None and engine_backoff.should_skip():
+            return [], []
+        # No admission could pay at this load (a compute-bound batch): nobody drafts this step.
+        return (list(active), room) if _load_can_pay(load, len(active), room) else ([], [])
+    drafting, limits = [], []
+    for item, limit in zip(active, room):
+        if item.backoff is not None and item.backoff.should_skip():
+            continue
+        if limit > 0 and not worth_drafting(at(rule, len(item.context)), limit):
+            continue
+        drafting.append(item)
+        limits.append(limit)
+    return drafting, limits
 
 
 def _draft_all(items: list[_Active], limits: list[int], sampler: Sampler, rule) -> None:
@@ -180,8 +194,8 @@ def _load_can_pay(load: LoadPolicy, rows: int, limits: list[int]) -> bool:
                    lambda r, length: load.profile.verify_s(r, length, "batched"))
 
 
-def _admit(active: list[_Active], load: LoadPolicy) -> None:
-    """DSpark's load-aware admission: cut each request's block to its admitted length."""
+def _admit(active: list[_Active], load: LoadPolicy) -> int:
+    """DSpark's load-aware admission: cut each request's block to its admitted length; returns the total admitted."""
     survival = []
     for item in active:
         if item.proposal.tokens and item.proposal.confidence is None:
@@ -193,3 +207,4 @@ def _admit(active: list[_Active], load: LoadPolicy) -> None:
     for item, length in zip(active, lengths):
         item.proposal = item.proposal.truncate(length)
     load.admitted.append(sum(lengths))
+    return sum(lengths)

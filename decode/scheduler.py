@@ -190,8 +190,8 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
 
 
 class LoadRule(FixedRule):
-    """scheduler=load's per-request part: draft the whole block (admission happens batch-wide), and
-    back off to plain decoding after steps where nothing of this request was admitted."""
+    """scheduler=load's per-request part: draft the whole block (admission happens batch-wide); its
+    max_skip drives the batch-wide backoff after steps where nothing was admitted (decode/batch_generate.py)."""
 
     def __init__(self, max_skip: int = 16):
         self.max_skip = max_skip

@@ -155,6 +155,26 @@ def test_load_scheduler_runs_no_drafter_where_no_admission_can_pay(monkeypatch):
     assert passes
 
 
+def test_load_scheduler_backs_off_batch_wide_when_nothing_is_admitted(monkeypatch):
+    from decode.scheduler import LoadRule
+
+    target, drafter = make_drafter("dspark")
+    passes = []
+    forward_blocks = drafter.forward_blocks
+    monkeypatch.setattr(drafter, "forward_blocks", lambda *a, **k: passes.append(1) or forward_blocks(*a, **k))
+    # Sure survival would pay (probing is allowed), but no real confidence can: one more position
+    # widens every row's step by more than a whole token is worth.
+    profile = synthetic_profile(per_token=0.004)
+    profile.draft_batched = {"1": 0.001, "4": 0.004}
+    load = LoadPolicy(profile, LoadRule(max_skip=4))
+    got, _ = batched(target, BlockDrafterProposer(drafter, (1, 2)), Sampler(), 4, load=load)
+    for prompt, limit, out in zip(PROMPTS, LIMITS, got):
+        assert out == hf_greedy(target, prompt, limit, EOS)
+    assert not any(load.admitted) and passes
+    # Probes at steps 0, 1, 3, 7, then every 5th: requests that join do not restart the probing.
+    assert len(passes) <= 4 + max(0, len(load.admitted) - 8) // 5
+
+
 def test_plain_batched_decoding_equals_hf_greedy():
     target = tiny_llama(0)
     got, _ = batched(target, NoProposer(), Sampler(), 0, concurrency=5)
