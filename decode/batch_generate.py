@@ -23,7 +23,7 @@ from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, at, can_pay, cut, load_schedule, make_backoff, worth_drafting
+from decode.scheduler import FixedRule, at, backoff_count, can_pay, cut, load_pays, load_schedule, make_backoff, worth_drafting
 
 
 @dataclass
@@ -118,7 +118,7 @@ def batched_generate(
                 engine_backoff.observe(admitted)
         for item, limit in zip(drafting, limits):
             if item.backoff is not None and limit > 0:
-                item.backoff.observe(len(item.proposal.tokens))
+                item.backoff.observe(backoff_count(at(rule, len(item.context)), item.proposal))
 
         rows = [[item.context[-1]] + item.proposal.tokens for item in active]
         logits, features = session.forward(rows)  # (R, L, V)
@@ -195,16 +195,18 @@ def _load_can_pay(load: LoadPolicy, rows: int, limits: list[int]) -> bool:
 
 
 def _admit(active: list[_Active], load: LoadPolicy) -> int:
-    """DSpark's load-aware admission: cut each request's block to its admitted length; returns the total admitted."""
+    """DSpark's load-aware admission: cut each request's block to its admitted length. Returns what the
+    batch-wide backoff is told: the positions admitted, or 0 when they did not pay for the drafting."""
     survival = []
     for item in active:
         if item.proposal.tokens and item.proposal.confidence is None:
             raise ValueError("scheduler=load needs a proposer with a confidence head (proposer=drafter, dspark export)")
         values = [] if item.proposal.confidence is None else item.proposal.confidence.float().cumprod(0).tolist()
         survival.append(values)
-    draft_s = load.profile.draft_rows_s([len(values) for values in survival if values])  # already spent: a constant here
-    lengths = load_schedule(survival, draft_s, lambda rows, length: load.profile.verify_s(rows, length, "batched"))
+    draft_s = load.profile.draft_rows_s([len(values) for values in survival if values])  # already spent when admission runs
+    verify_s = lambda rows, length: load.profile.verify_s(rows, length, "batched")  # noqa: E731
+    lengths = load_schedule(survival, draft_s, verify_s)
     for item, length in zip(active, lengths):
         item.proposal = item.proposal.truncate(length)
     load.admitted.append(sum(lengths))
-    return sum(lengths)
+    return sum(lengths) if load_pays(survival, lengths, draft_s, verify_s) else 0

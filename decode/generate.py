@@ -18,7 +18,7 @@ import torch
 
 from decode.proposer import Proposal, Proposer
 from decode.sampling import Sampler, sample
-from decode.scheduler import at, cut, make_backoff, worth_drafting
+from decode.scheduler import at, backoff_count, cut, make_backoff, worth_drafting
 from decode.session import CausalSession
 from decode.verifier import greedy_accept, rejection_accept
 
@@ -86,7 +86,7 @@ def speculative_generate(
         else:
             proposal = draft(proposer, context, limit, sampler, generator, rule)
             if backoff is not None:
-                backoff.observe(len(proposal.tokens))
+                backoff.observe(backoff_count(rule, proposal))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
         logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)

@@ -79,6 +79,14 @@ class Backoff:
         self.skip = min(2 ** (self.streak - 1), self.max_skip)
 
 
+def backoff_count(rule, proposal: Proposal) -> int:
+    """What a step tells the backoff: its verified positions, or 0 when they did not pay for the drafting
+    (rules that price steps, `pays`); decided after the step is drafted, about the next steps only."""
+    if not proposal.tokens or not hasattr(rule, "pays") or proposal.confidence is None:
+        return len(proposal.tokens)
+    return len(proposal.tokens) if rule.pays(proposal.confidence.tolist()) else 0
+
+
 def at(rule, context_length: int):
     """The rule for one step of a request whose context holds `context_length` tokens."""
     return rule.at(context_length) if hasattr(rule, "at") else rule
@@ -123,17 +131,23 @@ class CostRule:
         return CostRule(self.profile, self.rows, self.max_skip, context_length)
 
     def rate(self, confidences: list[float]) -> float:
-        length = len(confidences)
-        # ℓ = 0 is plain decoding: no drafting. The backbone pass that produced c_1 is already paid
-        # when this is asked, but declining lets the backoff stop running the drafter, so the first
-        # position has to beat plain decoding with its drafting cost included, not a step that has
-        # paid for a probe and verifies nothing; once a step speculates, its drafting counts in full.
-        drafting = self.profile.draft_s(length, self.context) if length else 0.0
-        seconds = drafting + self.profile.verify_s(self.rows, 1 + length, context=self.context)
+        """Expected tokens per second of this step verifying len(confidences) positions. The backbone pass
+        that produced c_1 is already spent when the rule is asked, so ℓ = 0 counts it too (draft_s(0)):
+        the step's decision is the best one given its probe. Whether probing paid is `pays`' question."""
+        seconds = self.profile.draft_s(len(confidences), self.context) + self._verify(1 + len(confidences))
         return expected_tokens(confidences) / seconds
+
+    def _verify(self, length: int) -> float:
+        return self.profile.verify_s(self.rows, length, context=self.context)
 
     def verify(self, confidences: list[float]) -> bool:
         return self.rate(confidences) > self.rate(confidences[:-1])
+
+    def pays(self, confidences: list[float]) -> bool:
+        """Whether verifying these positions beat plain decoding with the drafting counted in full (the
+        backoff's question: a step that speculates only because its probe is already paid for does not
+        justify probing again on the next step)."""
+        return bool(confidences) and self.rate(confidences) > 1 / self._verify(1)
 
     def can_pay(self, limit: int) -> bool:
         """Whether some ℓ <= limit could beat plain decoding at this context if every position survived."""
@@ -163,8 +177,8 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
 
     survival[r] holds a_{r,1..k_r} (non-increasing) for each request; every request always gets its
     target token. Pairs (r, j) are admitted in order of a_{r,j} (ties: lower j first, then lower r)
-    while Θ = expected tokens / step seconds improves, starting from plain decoding's Θ (no drafting);
-    the first non-improvement stops admission.
+    while Θ = expected tokens / step seconds improves, starting from plain decoding's Θ after this step's
+    drafting (`draft_s`, already spent when admission runs); the first non-improvement stops admission.
     Admitting (r, j) depends only on pairs ranked above it, which for request r are positions < j:
     nothing about x_{r,j} or later positions enters the decision (the stopping-rule property).
     `verify_s(rows, length)` is the verify-step time of the engine's padded (rows, length) shape.
@@ -175,9 +189,9 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
                    key=lambda item: (-item[0], item[1], item[2]))
     lengths = [0] * rows
     expected = float(rows)  # each request's own target token
-    # The bar is plain decoding without the drafter (as for CostRule's ℓ = 0): admitting nothing lets
-    # the requests' backoff stop drafting, so the first admissions must pay for the drafting too.
-    best = expected / verify_s(rows, 1)
+    # The drafting is spent by now, so the bar is a plain step after it (as for CostRule's ℓ = 0); whether
+    # the admitted set paid for the drafting as well is `load_pays`' question, which drives the backoff.
+    best = expected / (draft_s + verify_s(rows, 1))
     for a, j, r in pairs:
         if j != lengths[r]:  # a tie broke the prefix order; positions of a request are admitted in order
             break
@@ -187,6 +201,15 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
             break
         lengths[r], expected, best = j + 1, expected + a, rate
     return lengths
+
+
+def load_pays(survival: list[list[float]], lengths: list[int], draft_s: float, verify_s) -> bool:
+    """Whether an admitted set beat plain decoding with this step's drafting counted in full."""
+    rows, longest = len(survival), max(lengths, default=0)
+    if longest == 0:
+        return False
+    expected = rows + sum(sum(values[:n]) for values, n in zip(survival, lengths))
+    return expected / (draft_s + verify_s(rows, 1 + longest)) > rows / verify_s(rows, 1)
 
 
 class LoadRule(FixedRule):

@@ -13,7 +13,7 @@ from decode.batch_generate import LoadPolicy, Request, batched_generate
 from decode.generate import speculative_generate
 from decode.proposer import BlockDrafterProposer, Proposal
 from decode.sampling import Sampler, sample
-from decode.scheduler import CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_schedule
+from decode.scheduler import CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_pays, load_schedule
 from tests.conftest import tiny_llama
 from tests.test_batch import cheap_profile, context_profile, dear_profile, synthetic_profile
 from tests.test_sampling_lossless import (
@@ -120,9 +120,27 @@ def test_load_schedule_admits_by_survival_and_stops_at_first_non_improvement():
     assert load_schedule([[0.01], [0.02]], 0.0, verify) == [0, 0]
     # Free verification: everything is admitted.
     assert load_schedule([[0.5, 0.2], [0.3]], 0.0, lambda r, n: 1.0) == [2, 1]
-    # The bar is plain decoding without the drafter: a step that drafted must pay for its drafting.
+    # Drafting is spent when admission runs: the bar is a plain step after it. Whether the admitted set
+    # also paid for the drafting (what the backoff is told) is load_pays'.
     assert load_schedule([[0.3]], 0.0, verify) == [1]  # 1.3 tokens in 14 ms beat 1 in 12 ms
-    assert load_schedule([[0.3]], 0.01, verify) == [0]  # not in 24 ms
+    assert load_schedule([[0.3]], 0.01, verify) == [1]  # 1.3 in 24 ms beat 1 in 22 ms ...
+    assert not load_pays([[0.3]], [1], 0.01, verify)  # ... but not plain decoding's 1 in 12 ms
+    assert load_pays([[0.3]], [1], 0.0, verify) and not load_pays([[0.3]], [0], 0.0, verify)
+    assert load_schedule([[0.05]], 0.01, verify) == [0]  # 1.05 in 24 ms lose to 1 in 22 ms
+
+
+def test_cost_rule_decides_the_step_given_its_probe_and_tells_the_backoff_whether_it_paid():
+    from decode.scheduler import backoff_count
+
+    # Verify 10 ms + 2 ms per token, drafting 3 ms + 1 ms per position (the probe, ℓ = 0, costs 3 ms).
+    rule = CostRule(synthetic_profile(length=4))
+    # ℓ = 1 with a_1 = 0.25: 1.25 tokens in 18 ms beat 1 in 15 ms after the probe, so it is verified,
+    # but lose to plain decoding's 1 in 12 ms: the backoff hears "nothing paid".
+    weak = Proposal([7], confidence=torch.tensor([0.25]))
+    assert cut(weak, rule) == 1 and not rule.pays([0.25]) and backoff_count(rule, weak) == 0
+    strong = Proposal([7, 8], confidence=torch.tensor([0.9, 0.9]))
+    assert cut(strong, rule) == 2 and rule.pays([0.9, 0.9]) and backoff_count(rule, strong) == 2
+    assert backoff_count(FixedRule(), weak) == 1  # rules that do not price steps: every verified position counts
 
 
 def enumerated_joint(model, prompt, sampler, length=2) -> np.ndarray:
