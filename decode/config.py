@@ -52,9 +52,9 @@ class SchedulerConfig:
     # further contexts the one-request verify and draft curves are measured at; scheduler=cost prices each
     # step at its own context, linear between (and beyond) these. []: one context only.
     profile_contexts: list[int] = field(default_factory=lambda: [64, 1024])
-    # cost/load: after a step that verified nothing, skip the drafter for 1, 2, 4, ... steps (at most this many;
-    # per request for cost, batch-wide for load)
-    # before probing again: the fallback to plain decoding where the drafter does not pay. 0: never skip.
+    # cost/load: after a step whose speculation did not pay for its drafting, skip the drafter for 1, 2, 4, ...
+    # steps (at most this many) before probing again: the fallback to plain decoding where the drafter does not
+    # pay. Per request for cost, batch-wide for load. 0: never skip.
     max_skip: int = 16
 
 

@@ -56,7 +56,8 @@ def expected_tokens(confidences: list[float]) -> float:
 
 
 class Backoff:
-    """The fallback to plain decoding: after a step whose scheduler verified nothing, skip the drafter
+    """The fallback to plain decoding: after a step whose speculation did not pay (nothing verified, or
+    too little to repay the drafting: `backoff_count`), skip the drafter
     (backbone pass included) for 1, 2, 4, ... steps (at most `max_skip`), then draft again to probe.
     It decides from finished steps only, before anything of the current step is drafted, so the
     verified set never depends on the tokens being verified."""
