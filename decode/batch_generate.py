@@ -186,11 +186,11 @@ def _leave(session: BatchedSession, active: list[_Active], finished: list[int], 
 def _load_can_pay(load: LoadPolicy, rows: int, limits: list[int]) -> bool:
     """Whether any admission could beat plain decoding on this step's shape (DSpark's Θ with every drafted
     position sure to survive); on a compute-bound batch it cannot, and probing would only cost time."""
-    drafting = sum(1 for limit in limits if limit > 0)
-    if not drafting:
+    lengths = [limit for limit in limits if limit > 0]
+    if not lengths:
         return True  # nothing would be drafted anyway
-    draft_s = load.profile.draft_rows_s([limit for limit in limits if limit > 0])  # whole blocks, one pass
-    return can_pay(rows, drafting, max(limits), lambda length: draft_s,
+    draft_s = load.profile.draft_rows_s(lengths)  # whole blocks, one pass
+    return can_pay(rows, len(lengths), max(lengths), lambda length: draft_s,
                    lambda r, length: load.profile.verify_s(r, length, "batched"))
 
 

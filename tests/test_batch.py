@@ -139,11 +139,16 @@ def test_load_scheduler_is_lossless_at_T0_and_admits_ragged_lengths():
     assert load.admitted and len({d for g in gens for d in g.drafted}) > 1
 
 
+def count_backbone_passes(monkeypatch, drafter) -> list:
+    """A list that grows by one per batched backbone pass of `drafter`."""
+    passes, forward_blocks = [], drafter.forward_blocks
+    monkeypatch.setattr(drafter, "forward_blocks", lambda *a, **k: passes.append(1) or forward_blocks(*a, **k))
+    return passes
+
+
 def test_load_scheduler_runs_no_drafter_where_no_admission_can_pay(monkeypatch):
     target, drafter = make_drafter("dspark")
-    passes = []
-    forward_blocks = drafter.forward_blocks
-    monkeypatch.setattr(drafter, "forward_blocks", lambda *a, **k: passes.append(1) or forward_blocks(*a, **k))
+    passes = count_backbone_passes(monkeypatch, drafter)
     proposer = BlockDrafterProposer(drafter, (1, 2))
     load = LoadPolicy(dear_profile())
     got, gens = batched(target, proposer, Sampler(), 4, load=load)
@@ -159,9 +164,7 @@ def test_load_scheduler_backs_off_batch_wide_when_nothing_is_admitted(monkeypatc
     from decode.scheduler import LoadRule
 
     target, drafter = make_drafter("dspark")
-    passes = []
-    forward_blocks = drafter.forward_blocks
-    monkeypatch.setattr(drafter, "forward_blocks", lambda *a, **k: passes.append(1) or forward_blocks(*a, **k))
+    passes = count_backbone_passes(monkeypatch, drafter)
     # Sure survival would pay (probing is allowed), but no real confidence can: one more position
     # widens every row's step by more than a whole token is worth.
     profile = synthetic_profile(per_token=0.004)
