@@ -4,9 +4,10 @@ Rows share physical cache slots: every forward appends L slots to all rows (L = 
 input; shorter rows are padded). A per-row `valid` mask says which slots hold that row's tokens;
 rejected drafted positions and padding simply become invalid, and a 4D attention mask hides them,
 so rolling back one row never touches another. RoPE positions are each row's logical positions
-(its count of valid slots), so a row attends exactly as it would alone. Holes are squeezed out
-(`compact`) when they outnumber the longest row; requests join (prefilled alone, then merged) and
-leave (their row dropped) between steps.
+(its count of valid slots), so a row attends exactly as it would alone. Slots past every row's last
+valid one are cropped at once (one request never has a hole, so its steps attend over no dead slots
+and need no 4D mask); holes between rows' slots are squeezed out (`compact`) when they outnumber the
+longest row. Requests join (prefilled alone, then merged) and leave (their row dropped) between steps.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class BatchedSession:
             return None
         return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)  # (B, T, L*H)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def add(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefill a new row alone (exactly as batch 1), then merge it in as the last row.
         Returns float32 logits of its last position (1, V) and its features (T, L*H)."""
@@ -57,6 +58,7 @@ class BatchedSession:
         self.add_cache(cache, len(token_ids))
         return out.logits[0].float(), None if features is None else features[0]
 
+    @torch.inference_mode()
     def add_cache(self, cache: DynamicCache, length: int) -> None:
         """Merge a batch-1 cache of `length` positions in as the last row."""
         if self.cache is None or self.rows == 0:
@@ -73,6 +75,7 @@ class BatchedSession:
         self.valid = torch.cat([_pad_valid(self.valid, slots), new_valid], dim=0)
         self.lengths.append(length)
 
+    @torch.inference_mode()
     def remove(self, rows: list[int]) -> None:
         """Drop finished rows (indices into the current rows)."""
         keep = [r for r in range(self.rows) if r not in set(rows)]
@@ -85,7 +88,7 @@ class BatchedSession:
         if not keep:
             self.cache, self.valid = None, torch.zeros((0, 0), dtype=torch.bool, device=self.valid.device)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append rows[r] to sequence r (every row non-empty); float32 logits (R, L, V) and features
         (R, L, L*H), where positions past a row's own length are padding to ignore."""
@@ -104,20 +107,20 @@ class BatchedSession:
         steps = torch.minimum(torch.arange(width, device=device)[None, :], lengths[:, None] - 1)
         position_ids = torch.tensor(self.lengths, device=device)[:, None] + steps  # (R, L)
         new_valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (R, L)
-        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()  # (L, L)
-        visible = torch.cat(
-            [self.valid[:, None, :].expand(-1, width, -1), causal[None] & new_valid[:, None, :]], dim=2
-        )  # (R, L, S + L)
-        # A padding query may see nothing valid among the new slots; it still sees the row's history,
-        # so no row of the mask is empty (an all-masked softmax row would be NaN).
-        dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
-        out = self.model(input_ids=input_ids, attention_mask=mask[:, None], position_ids=position_ids,
+        # Every slot valid and rows alike: the model's own causal mask is the same mask, built cheaper
+        # (one request always runs so; the parity test compares the two).
+        mask = None if self._plain(rows) else row_mask(self.valid, new_valid, self.model.dtype)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, output_hidden_states=bool(self.feature_layers))
         self.valid = torch.cat([self.valid, torch.zeros_like(new_valid)], dim=1)
         self._pending = [len(row) for row in rows]
         return out.logits.float(), self._features(out.hidden_states)
 
+    def _plain(self, rows: list[list[int]]) -> bool:
+        """Whether this step's 4D mask is the plain causal one: no hole in any row's history, no padding."""
+        return bool(self.valid.all()) and len({len(row) for row in rows}) == 1
+
+    @torch.inference_mode()
     def keep(self, counts: list[int]) -> None:
         """Of the last forward's new slots, row r keeps its first counts[r] (the rest are rolled back)."""
         if self._pending is None:
@@ -130,9 +133,20 @@ class BatchedSession:
             self.valid[r, start : start + count] = True
             self.lengths[r] += count
         self._pending = None
+        self._crop_tail()
         if self.valid.shape[1] > 2 * max(self.lengths) + 64:
             self.compact()
 
+    def _crop_tail(self) -> None:
+        """Drop the slots after every row's last valid one: rejected drafts and padding at the end cost
+        every later step attention over dead slots, and for one row they are the only holes there are."""
+        used = self.valid.any(dim=0).nonzero()
+        slots = int(used[-1]) + 1 if len(used) else 0
+        if slots < self.valid.shape[1]:
+            self.cache.crop(slots - self.valid.shape[1])  # a negative argument removes that many slots
+            self.valid = self.valid[:, :slots]
+
+    @torch.inference_mode()
     def compact(self) -> None:
         """Move each row's valid slots to the front (order kept) and drop the slots no row uses."""
         slots = max(self.lengths)
@@ -142,6 +156,20 @@ class BatchedSession:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
         self.valid = torch.arange(slots, device=self.valid.device)[None, :] < torch.tensor(self.lengths, device=self.valid.device)[:, None]
+
+
+def row_mask(valid: torch.Tensor, new_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 4D mask of a step: query i of row r sees row r's valid history slots `valid` (R, S)
+    and its own new slots up to i that are not padding (`new_valid`, (R, L)). Returns (R, 1, L, S + L)."""
+    width = new_valid.shape[1]
+    causal = torch.ones((width, width), dtype=torch.bool, device=valid.device).tril()  # (L, L)
+    visible = torch.cat(
+        [valid[:, None, :].expand(-1, width, -1), causal[None] & new_valid[:, None, :]], dim=2
+    )  # (R, L, S + L)
+    # A padding query may see nothing valid among the new slots; it still sees the row's history,
+    # so no row of the mask is empty (an all-masked softmax row would be NaN).
+    mask = torch.zeros(visible.shape, dtype=dtype, device=valid.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
 
 
 def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:

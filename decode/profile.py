@@ -36,8 +36,8 @@ CACHE_DIR = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "spe
 class CostProfile:
     """Measured seconds. verify[engine][str(rows)][length-1] = seconds for rows × length tokens;
     draft[ℓ] = seconds to draft ℓ positions for one request (ℓ = 0: the backbone pass alone);
-    draft_batched[str(rows)] = seconds to draft whole blocks for `rows` requests in one batched pass
-    (block drafters only; None for proposers that draft request by request);
+    draft_batched[str(rows)][ℓ-1] = seconds to draft ℓ positions for each of `rows` requests in one
+    batched pass (block drafters only; None for proposers that draft request by request);
     by_context[str(C)] = {"verify": [...], "draft": [...]}: the one-request curves again at further
     context lengths C (attention grows with the context, so the price of one more verified position
     relative to the step does too); None for profiles measured at one context only."""
@@ -74,10 +74,13 @@ class CostProfile:
 
     def draft_rows_s(self, lengths: list[int]) -> float:
         """Seconds the batched engine spends drafting for requests that draft these lengths this step:
-        one batched pass when measured (linear between measured row counts), else one draft per request."""
+        one batched pass as long as the longest (linear between measured row counts) when measured,
+        else one draft per request."""
         if not self.draft_batched or not lengths:
             return sum(self.draft_s(length) for length in lengths)
-        return by_rows({int(r): seconds for r, seconds in self.draft_batched.items()}, len(lengths))
+        longest = max(lengths)
+        return by_rows({int(r): seconds[min(max(longest, 1), len(seconds)) - 1]
+                        for r, seconds in self.draft_batched.items()}, len(lengths))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -128,8 +131,9 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "batch_sizes": list(batch_sizes),
         "context_length": context_length,
         "contexts": sorted(contexts),
-        "draft_engine": "batched",  # profiles from before batched drafting lack its curve: measure again
+        "draft_engine": "batched-by-length",  # profiles from before had one batched draft per row count: measure again
         "method": "rounds",  # profiles measured point by point (before round-robin sampling): measure again
+        "batched_rows": "ragged",  # profiles from before the one-row fast path measured equal rows: measure again
     }
 
 
@@ -192,13 +196,19 @@ def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int
     tokens = _token_source(model)
     table = {"single": {"1": measure_single_verify(model, feature_layers, max_length, context_length, repeats)},
              "batched": {}}
-    # One prefilled context, copied into every row: the step's cost depends on shapes, not on the tokens.
-    prefill = BatchedSession(model, feature_layers)
-    prefill.add(tokens(context_length))
+    # Prefilled contexts copied into the rows: the step's cost depends on shapes, not on the tokens. Real
+    # concurrent requests differ in length, which makes their steps run with the 4D row mask (one
+    # request runs without): rows alternate between two lengths so the measured steps do the same.
+    lengths = (context_length, max(context_length - 1, 1))
+    prefills = []
+    for length in lengths:
+        prefill = BatchedSession(model, feature_layers)
+        prefill.add(tokens(length))
+        prefills.append(prefill)
     for rows in batch_sizes:
         session = BatchedSession(model, feature_layers)
-        for _ in range(rows):
-            session.add_cache(copy.deepcopy(prefill.cache), context_length)
+        for r in range(rows):
+            session.add_cache(copy.deepcopy(prefills[r % 2].cache), lengths[r % 2])
         feeds = [tokens(max_length) for _ in range(rows)]
 
         def step(length):
@@ -239,7 +249,9 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
 
 def measure_draft_batched(proposer, model, context_length: int, max_draft: int, batch_sizes: list[int],
                           repeats: int) -> dict | None:
-    """Seconds to draft a whole block for each of `rows` requests in one batched pass (block drafters)."""
+    """Seconds to draft ℓ = 1..max_draft positions for each of `rows` requests in one batched pass (block
+    drafters): the backbone pass is shared, then each position costs a sequential LM-head and Markov step,
+    so a step that drafts 3 of a 7-token block costs well under the whole block."""
     if max_draft == 0 or not isinstance(proposer, BlockDrafterProposer):
         return None
     context = _token_source(model, seed=1)(context_length)
@@ -252,10 +264,13 @@ def measure_draft_batched(proposer, model, context_length: int, max_draft: int, 
     generators = [torch.Generator(device=model.device).manual_seed(r) for r in range(len(requests))]
     sampler = Sampler(1.0)  # sampling costs at least what greedy does (it also builds q)
 
-    def draft(rows):
-        propose_blocks(requests[:rows], [context] * rows, [max_draft] * rows, sampler, generators[:rows])
+    def draft(rows, length):
+        propose_blocks(requests[:rows], [context] * rows, [length] * rows, sampler, generators[:rows])
 
-    return dict(zip(map(str, batch_sizes), _median_curve([lambda r=r: draft(r) for r in batch_sizes], repeats)))
+    lengths = range(1, max_draft + 1)
+    fns = [lambda r=r, n=n: draft(r, n) for r in batch_sizes for n in lengths]
+    seconds = _median_curve(fns, repeats)  # rows-major: batch_sizes[i]'s curve is seconds[i*max_draft:(i+1)*max_draft]
+    return {str(r): seconds[i * max_draft : (i + 1) * max_draft] for i, r in enumerate(batch_sizes)}
 
 
 def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,

@@ -32,7 +32,7 @@ def cheap_profile(rows=(1, 2, 4), length=5) -> CostProfile:
     """Drafting and one more verified position both cheap: load admission has to beat plain decoding
     (drafting included) and often does."""
     profile = synthetic_profile(rows=rows, length=length, per_token=0.00002)
-    profile.draft_batched = {"1": 1e-5, str(max(rows)): 1e-5}
+    profile.draft_batched = {"1": [1e-5] * length, str(max(rows)): [1e-5] * length}
     return profile
 
 
@@ -41,7 +41,7 @@ def dear_profile(rows=(1, 2, 4), length=5) -> CostProfile:
     is dear, so no draft could pay even if every position survived."""
     profile = synthetic_profile(rows=rows, length=length, per_token=0.02)
     profile.draft = [0.2] * length
-    profile.draft_batched = {"1": 0.05, str(max(rows)): 0.2}
+    profile.draft_batched = {"1": [0.05] * length, str(max(rows)): [0.2] * length}
     return profile
 
 
@@ -73,10 +73,13 @@ def test_profile_prices_a_step_at_its_context():
 def test_batched_draft_time_comes_from_its_own_curve():
     profile = synthetic_profile()  # per-request drafts only: one draft per request
     assert profile.draft_rows_s([3, 3]) == pytest.approx(2 * profile.draft_s(3))
-    profile.draft_batched = {"1": 0.010, "4": 0.016}  # measured: one pass for 1 and for 4 requests
+    # measured: one pass for 1 and for 4 requests, at drafted lengths 1..3
+    profile.draft_batched = {"1": [0.006, 0.008, 0.010], "4": [0.010, 0.013, 0.016]}
     assert profile.draft_rows_s([3]) == pytest.approx(0.010)
-    assert profile.draft_rows_s([3, 1]) == pytest.approx(0.012)  # between the measured row counts
+    assert profile.draft_rows_s([1]) == pytest.approx(0.006)  # one position costs less than the block
+    assert profile.draft_rows_s([3, 1]) == pytest.approx(0.012)  # the longest sets the pass; between row counts
     assert profile.draft_rows_s([3] * 8) == pytest.approx(0.032)  # beyond them: proportional to rows
+    assert profile.draft_rows_s([7]) == pytest.approx(0.010)  # past the measured lengths: the longest measured
     assert profile.draft_rows_s([]) == 0
 
 
@@ -168,7 +171,7 @@ def test_load_scheduler_backs_off_batch_wide_when_nothing_is_admitted(monkeypatc
     # Sure survival would pay (probing is allowed), but no real confidence can: one more position
     # widens every row's step by more than a whole token is worth.
     profile = synthetic_profile(per_token=0.004)
-    profile.draft_batched = {"1": 0.001, "4": 0.004}
+    profile.draft_batched = {"1": [0.001] * 5, "4": [0.004] * 5}
     load = LoadPolicy(profile, LoadRule(max_skip=4))
     got, _ = batched(target, BlockDrafterProposer(drafter, (1, 2)), Sampler(), 4, load=load)
     for prompt, limit, out in zip(PROMPTS, LIMITS, got):
@@ -203,3 +206,45 @@ def test_session_rollback_and_compaction_keep_each_row_exact():
         fresh = CausalSession(model)
         expected, _ = fresh.forward(row + fed)
         torch.testing.assert_close(logits[r, : len(fed)], expected[-len(fed):], rtol=1e-5, atol=1e-5)
+
+
+def test_maskless_step_equals_the_masked_step(monkeypatch):
+    """Parity for the fast path: a step with no hole and no padding runs on the model's own causal mask;
+    forcing the explicit 4D row mask gives the same logits, for one row and for rows of equal length."""
+    model = tiny_llama(0)
+    original = BatchedSession._plain
+
+    def run(prompts):
+        session = BatchedSession(model)
+        for prompt in prompts:
+            session.add(prompt)
+        outputs = []
+        for feed in ([[7, 8, 9]] * len(prompts), [[10]] * len(prompts)):
+            assert session._plain(feed) == (BatchedSession._plain is original)  # the path under test runs
+            logits, _ = session.forward(feed)
+            session.keep([1] * len(prompts))  # reject the rest: a rollback each step
+            outputs.append(logits)
+        return outputs
+
+    for prompts in ([[1, 2, 3, 4]], [[1, 2, 3], [4, 5, 6]]):
+        fast = run(prompts)
+        with monkeypatch.context() as patch:
+            patch.setattr(BatchedSession, "_plain", lambda self, rows: False)
+            masked = run(prompts)
+        for a, b in zip(fast, masked):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_rollback_leaves_no_dead_slots():
+    """Rejected positions at a row's end are cropped, not masked: one request's cache holds exactly its tokens."""
+    model = tiny_llama(0)
+    session = BatchedSession(model)
+    session.add([1, 2, 3])
+    session.forward([[4, 5, 6, 7]])
+    session.keep([2])
+    assert session.cache.get_seq_length() == session.lengths[0] == 5
+    assert bool(session.valid.all())
+    session.add([9, 9])  # a second, shorter row: its slots past its length are holes, kept and masked
+    session.forward([[8], [10, 11]])
+    session.keep([1, 0])
+    assert session.valid.shape == (2, 6) and session.lengths == [6, 2]

@@ -52,7 +52,8 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
     profile = json.loads(open(summary["profile"]["path"]).read())
     assert len(profile["draft"]) == 4 and set(profile["verify"]) == {"single", "batched"}
     assert set(profile["draft_batched"]) == set(profile["verify"]["batched"])  # one batched draft per row count
-    assert all(seconds > 0 for seconds in profile["draft_batched"].values())
+    assert all(len(curve) == len(profile["draft"]) - 1 and min(curve) > 0  # ℓ = 1..block
+               for curve in profile["draft_batched"].values())
     # The one-request curves again at the further contexts (scheduler.profile_contexts) the target's window
     # of 512 positions allows, for pricing each step at its own context.
     assert set(profile["by_context"]) == {"64", "300"} and profile["fingerprint"]["contexts"] == [64, 300]
