@@ -20,4 +20,4 @@ for data in mtbench sharegpt_heldout; do
   done
 done
 $PY decode/bench.py "${common[@]}" bench.mode=load data=mtbench decode.temperature=0.0 bench.num_prompts=16 \
-  decode.num_draft=3 decode.max_new_tokens=32 scheduler=load "hydra.run.dir=$OUT/load-mtbench-T0.0"
+  decode.num_draft=3 decode.max_new_tokens=32 scheduler=load bench.load_repeats=3 "hydra.run.dir=$OUT/load-mtbench-T0.0"
