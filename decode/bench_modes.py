@@ -1,7 +1,8 @@
 """The bench's other modes: `bench.mode=sweep | load | calibrate` (see decode/bench.py for `single`).
 
 sweep: per prompt, interleaved, plain decoding and speculative decoding at every fixed verify length,
-every threshold and the cost scheduler: tokens/s, τ and speedup per setting, and the best fixed length.
+every threshold and the cost scheduler: tokens/s, τ and speedup per setting, the best fixed length, and
+the ceiling an oracle schedule would reach on the fixed lengths' steps (decode/oracle.py).
 load: closed-loop load at each concurrency C (C requests in flight, the next joins when one leaves):
 plain, fixed-length and load-scheduled batched decoding; per-request and total tokens/s, and a PNG.
 calibrate: held-out decoding at each temperature bucket; fits the confidence temperatures, stores
@@ -22,6 +23,7 @@ from decode.batch_generate import LoadPolicy, Request, batched_generate
 from decode.bench import _atomic_write, run_interleaved
 from decode.generate import speculative_generate
 from decode.metrics import acceptance_stats, timing_stats
+from decode.oracle import oracle_ceiling
 from decode.proposer import NoProposer
 from decode.sampling import Sampler
 from decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
@@ -84,6 +86,8 @@ def run_sweep(bench) -> dict:
         best_decode = max(fixed, key=lambda k: fixed[k]["decode_tokens_per_s"] or 0)
         if rows["cost"]["decode_tokens_per_s"] and fixed[best_decode]["decode_tokens_per_s"]:
             summary["cost_vs_best_fixed_decode"] = rows["cost"]["decode_tokens_per_s"] / fixed[best_decode]["decode_tokens_per_s"]
+        # What any schedule could gain over the best fixed length with this drafter (decode/oracle.py).
+        summary["ceiling"] = oracle_ceiling(results, [len(ids) for ids in bench.encoded], profile)
     summary["config"] = _config(bench)
     return _write(bench, "results.json", summary)
 

@@ -1,5 +1,6 @@
 """Markdown tables from the results of scripts/schedule_bench.sh: one row per sweep cell (speed as a
-multiple of plain decoding, τ in brackets; end to end and after the first token) and the load sweep.
+multiple of plain decoding, τ in brackets; end to end and after the first token; the oracle ceiling of
+decode/oracle.py) and the load sweep.
 
 Usage: .venv/bin/python scripts/schedule_table.py OUT
 """
@@ -17,8 +18,9 @@ def sweep_rows(out: Path) -> list[str]:
         return []
     summaries = [json.loads(path.read_text()) for path in cells]
     names = list(dict.fromkeys(name for summary in summaries for name in summary["settings"]))  # cells may sweep different lengths
-    lines = ["| data, T | plain tok/s | " + " | ".join(names) + " | cost / best fixed | same, after the first token |",
-             "|" + "---|" * (len(names) + 4)]
+    lines = ["| data, T | plain tok/s | " + " | ".join(names)
+             + " | cost / best fixed | same, after the first token | ceiling: oracle / best fixed, priced |",
+             "|" + "---|" * (len(names) + 5)]
     for summary in summaries:
         settings = summary["settings"]
         config = summary["config"]
@@ -27,7 +29,8 @@ def sweep_rows(out: Path) -> list[str]:
                if n in settings else "-" for n in names]
         lines.append(f"| {label} | {summary['plain_tokens_per_s']:.2f} | " + " | ".join(row)
                      + f" | {summary.get('cost_vs_best_fixed', float('nan')):.2f}"
-                     + f" | {summary.get('cost_vs_best_fixed_decode', float('nan')):.2f} |")
+                     + f" | {summary.get('cost_vs_best_fixed_decode', float('nan')):.2f}"
+                     + f" | {summary.get('ceiling', {}).get('oracle_vs_best_fixed', float('nan')):.2f} |")
     return lines
 
 

@@ -70,6 +70,9 @@ def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path
                                "bench.num_prompts=2", "bench.sweep_thresholds=[0.5]"))
     assert set(summary["settings"]) == {"fixed_1", "fixed_2", "fixed_3", "threshold_0.5", "cost"}
     assert summary["best_fixed"] in summary["settings"] and summary["cost_vs_best_fixed"] > 0
+    ceiling = summary["ceiling"]  # the oracle schedule on each fixed length's steps, priced by the profile
+    assert set(ceiling["oracle_decode_tokens_per_s"]) == {"fixed_1", "fixed_2", "fixed_3"}
+    assert ceiling["best_fixed"] in ceiling["oracle_decode_tokens_per_s"] and ceiling["oracle_vs_best_fixed"] > 0
 
 
 def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_export):
