@@ -5,9 +5,10 @@ input; shorter rows are padded). A per-row `valid` mask says which slots hold th
 rejected drafted positions and padding simply become invalid, and a 4D attention mask hides them,
 so rolling back one row never touches another. RoPE positions are each row's logical positions
 (its count of valid slots), so a row attends exactly as it would alone. Slots past every row's last
-valid one are cropped at once (one request never has a hole, so its steps attend over no dead slots
-and need no 4D mask); holes between rows' slots are squeezed out (`compact`) when they outnumber the
-longest row. Requests join (prefilled alone, then merged) and leave (their row dropped) between steps.
+valid one are cropped at once, and rows left alike by leavers are compacted, so one request has no
+hole: its steps attend over no dead slots and need no 4D mask. Other holes are squeezed out
+(`compact`) when they outnumber the longest row. Requests join (prefilled alone, then merged) and
+leave (their row dropped) between steps.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ class BatchedSession:
         self.lengths = [self.lengths[r] for r in keep]
         if not keep:
             self.cache, self.valid = None, torch.zeros((0, 0), dtype=torch.bool, device=self.valid.device)
+        elif len(set(self.lengths)) == 1 and not self._no_holes():
+            # The rows left are alike but hold the leavers' slots as holes: squeeze them out once, so
+            # the steps that follow (a lone last request, typically) run without a 4D mask.
+            self.compact()
+        else:
+            self._crop_tail()
 
     @torch.inference_mode()
     def forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,9 +123,13 @@ class BatchedSession:
         self._pending = [len(row) for row in rows]
         return out.logits.float(), self._features(out.hidden_states)
 
+    def _no_holes(self) -> bool:
+        """Every slot valid in every row (a row's length counts its valid slots; no device sync)."""
+        return all(length == self.valid.shape[1] for length in self.lengths)
+
     def _plain(self, rows: list[list[int]]) -> bool:
         """Whether this step's 4D mask is the plain causal one: no hole in any row's history, no padding."""
-        return bool(self.valid.all()) and len({len(row) for row in rows}) == 1
+        return self._no_holes() and len({len(row) for row in rows}) == 1
 
     @torch.inference_mode()
     def keep(self, counts: list[int]) -> None:

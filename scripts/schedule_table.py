@@ -30,7 +30,7 @@ def sweep_rows(out: Path) -> list[str]:
         lines.append(f"| {label} | {summary['plain_tokens_per_s']:.2f} | " + " | ".join(row)
                      + f" | {summary.get('cost_vs_best_fixed', float('nan')):.2f}"
                      + f" | {summary.get('cost_vs_best_fixed_decode', float('nan')):.2f}"
-                     + f" | {summary.get('ceiling', {}).get('oracle_vs_best_fixed', float('nan')):.2f} |")
+                     + f" | {(summary.get('ceiling') or {}).get('oracle_vs_best_fixed') or float('nan'):.2f} |")
     return lines
 
 

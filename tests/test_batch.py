@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from decode.batch_generate import LoadPolicy, Request, batched_generate
-from decode.batch_session import BatchedSession
+from decode import batch_session
+from decode.batch_session import BatchedSession, row_mask
 from decode.generate import speculative_generate
 from decode.profile import CostProfile
 from decode.proposer import BlockDrafterProposer, ModelProposer, NoProposer, Proposal
@@ -226,11 +227,16 @@ def test_maskless_step_equals_the_masked_step(monkeypatch):
             outputs.append(logits)
         return outputs
 
+    masks = []  # the steps that built an explicit 4D mask
+    monkeypatch.setattr(batch_session, "row_mask", lambda *args: masks.append(1) or row_mask(*args))
     for prompts in ([[1, 2, 3, 4]], [[1, 2, 3], [4, 5, 6]]):
         fast = run(prompts)
+        assert not masks  # the fast path passed no mask at all
         with monkeypatch.context() as patch:
             patch.setattr(BatchedSession, "_plain", lambda self, rows: False)
             masked = run(prompts)
+        assert len(masks) == 2
+        masks.clear()
         for a, b in zip(fast, masked):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -247,4 +253,21 @@ def test_one_row_rollback_leaves_no_dead_slots():
     session.add([9, 9])  # a second, shorter row: its slots past its length are holes, kept and masked
     session.forward([[8], [10, 11]])
     session.keep([1, 0])
-    assert session.valid.shape == (2, 6) and session.lengths == [6, 2]
+    assert session.valid.shape == (2, 6) and session.cache.get_seq_length() == 6 and session.lengths == [6, 2]
+    assert not session._plain([[1], [1]])  # holes: the next step needs its 4D mask
+
+
+def test_the_row_left_after_a_longer_one_leaves_runs_without_holes():
+    """When the longer row leaves, its slots would stay as holes inside the short row's history: they are
+    squeezed out, the lone row runs mask-free, and its logits equal a fresh batch-1 prefill."""
+    model = tiny_llama(0)
+    session = BatchedSession(model)
+    session.add([1, 2, 3, 4, 5, 6])
+    session.add([7, 8])
+    session.forward([[9], [10]])
+    session.keep([1, 1])
+    session.remove([0])
+    assert session.lengths == [3] and session.cache.get_seq_length() == 3 and session._plain([[11]])
+    logits, _ = session.forward([[11]])
+    expected, _ = CausalSession(model).forward([7, 8, 10, 11])
+    torch.testing.assert_close(logits[0, :1], expected[-1:], rtol=1e-5, atol=1e-5)

@@ -11,14 +11,16 @@ from tests.test_batch import synthetic_profile
 # synthetic_profile: verify of n tokens 10 + 2n ms, drafting ℓ positions 3 + ℓ ms, one context only.
 
 
-def test_steps_carry_their_context():
+def test_steps_carry_their_context_and_what_they_kept():
     generation = Generation(output_ids=[1] * 7, drafted=[3, 3, 0], accepted=[0, 3, 0])
-    assert step_contexts(5, generation) == [(6, 3, 0), (7, 3, 3), (11, 0, 0)]
+    assert step_contexts(5, generation) == [(6, 3, 0, 1), (7, 3, 3, 4), (11, 0, 0, 1)]
+    cut = Generation(output_ids=[1] * 4, drafted=[3, 3], accepted=[0, 3])  # the last step stopped at EOS
+    assert step_contexts(5, cut) == [(6, 3, 0, 1), (7, 3, 3, 2)]
 
 
 def test_oracle_drafts_exactly_what_survives_and_no_drafter_when_nothing_does():
     profile = synthetic_profile()
-    steps = [(6, 3, 0), (7, 3, 3), (11, 0, 0)]
+    steps = [(6, 3, 0, 1), (7, 3, 3, 4), (11, 0, 0, 1)]
     # as run: two steps of 6 + 18 ms (3 drafted, 4 verified), one plain step of 12 ms; 6 tokens
     assert priced_rate(steps, profile) == pytest.approx(6 / 0.060)
     # oracle: the first step is plain (12 ms), the second as run (24 ms), the third plain (12 ms)
@@ -41,3 +43,10 @@ def test_ceiling_compares_the_best_oracle_with_the_best_fixed_length():
     assert all(oracle[kind] >= priced[kind] for kind in oracle)  # knowing the outcome never costs
     assert ceiling["best_fixed"] == "fixed_1" and ceiling["oracle_steps_of"] == "fixed_3"
     assert ceiling["oracle_vs_best_fixed"] == pytest.approx(oracle["fixed_3"] / priced["fixed_1"])
+
+
+def test_no_verify_step_gives_no_ceiling():
+    """Outputs that ended at their first token leave nothing to price: no ceiling, no division by nothing."""
+    empty = Generation(output_ids=[2])
+    ceiling = oracle_ceiling({"plain": [empty], "fixed_1": [empty]}, [4], synthetic_profile())
+    assert ceiling["oracle_vs_best_fixed"] is None and ceiling["best_fixed"] is None
