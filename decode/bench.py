@@ -18,7 +18,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
@@ -226,24 +226,54 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     kinds = ["plain", "spec"] + (["hf_generate"] if cfg.bench.baselines else [])
     kinds += [bench.baseline_name] if cfg.bench.baselines and bench.baseline_name else []
-    results = run_interleaved(kinds, run, encoded)
+    results = run_interleaved(kinds, run, encoded, cfg.bench.repeats)
     summary = summarize(cfg, sampler, target, results, bench.baseline_name)
     summary["calibration"] = bench.calibration
     summary["profile"] = profile_info
+    summary.update(repeat_report(cfg, results))
     write_outputs(Path(cfg.out_dir), summary, bench.prompts, encoded, results["spec"], target.tokenizer)
     return summary
 
 
-def run_interleaved(kinds: list[str], run, encoded: list[list[int]]) -> dict[str, list[Generation]]:
+def run_interleaved(kinds: list[str], run, encoded: list[list[int]], repeats: int = 1) -> dict[str, list[Generation]]:
     """Every method on every prompt, `run(kind, index, ids)`, after one warm-up call of each; the order
-    rotates per prompt so no method always runs first (cache and CPU frequency effects)."""
+    rotates per prompt and per round so no method always runs first (cache and CPU frequency effects).
+    With repeats > 1 each prompt runs every method `repeats` times and keeps each phase's fastest time
+    (`fastest`)."""
+    if repeats < 1:
+        raise ValueError(f"bench.repeats={repeats}; it must be >= 1 (runs of every method per prompt)")
     for kind in kinds:  # warm-up: first-call allocations and lazy inits stay out of the timings
         run(kind, 0, encoded[0][:16])
     results: dict[str, list[Generation]] = {kind: [] for kind in kinds}
     for index, ids in enumerate(tqdm(encoded, desc="prompts", mininterval=5)):
-        for kind in kinds[index % len(kinds) :] + kinds[: index % len(kinds)]:
-            results[kind].append(run(kind, index, ids))
+        runs: dict[str, list[Generation]] = {kind: [] for kind in kinds}
+        for round_ in range(repeats):
+            shift = (index + round_) % len(kinds)
+            for kind in kinds[shift:] + kinds[:shift]:
+                runs[kind].append(run(kind, index, ids))
+        for kind in kinds:
+            results[kind].append(fastest(runs[kind]))
     return results
+
+
+def fastest(runs: list[Generation]) -> Generation:
+    """One prompt's repeated runs of one method as one Generation: the first run's tokens and step
+    statistics, and the shortest time of each phase (prefill: ttft_s; the decoding after it:
+    total_s - ttft_s). Every run uses the prompt's seed, so the runs do the same work. Other processes
+    on the machine can only add time to a run, so the minimum is the least noisy estimate (timeit's
+    rule). `repeats_differ` counts runs whose tokens differed from the first (nondeterministic kernels)."""
+    first = runs[0]
+    prefill = min(g.ttft_s for g in runs)
+    decoding = min(g.total_s - g.ttft_s for g in runs)
+    return replace(first, ttft_s=prefill, total_s=prefill + decoding,
+                   repeats_differ=sum(g.output_ids != first.output_ids for g in runs[1:]))
+
+
+def repeat_report(cfg: BenchConfig, results: dict[str, list[Generation]]) -> dict:
+    """How the timings were taken (results.json): runs per prompt and method, and how many repeated runs
+    produced other tokens than the first (0 expected: the seeds repeat)."""
+    return {"repeats": cfg.bench.repeats,
+            "repeats_differ": sum(g.repeats_differ for gens in results.values() for g in gens)}
 
 
 def summarize(cfg: BenchConfig, sampler: Sampler, target, results: dict, baseline_name: str) -> dict:

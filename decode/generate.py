@@ -34,6 +34,7 @@ class Generation:
     confidence_logits: list[list[float]] = field(default_factory=list)
     ttft_s: float = 0.0
     total_s: float = 0.0
+    repeats_differ: int = 0  # bench.repeats: repeated runs of this prompt whose tokens differed from these
 
 
 def _stop_index(tokens: list[int], eos_ids: set[int], room: int) -> int:

@@ -90,3 +90,30 @@ def test_sampled_plain_loop_equals_hf_generate_with_same_seed(target_model, sett
         torch.manual_seed(seed)
         theirs = hf_generate(target_model, [5, 6, 7], sampler, 25, [], 0).output_ids
         assert ours == theirs
+
+
+def test_repeats_keep_each_phase_fastest_time_and_rotate_the_order():
+    """bench.repeats: every method runs `repeats` times per prompt, in a rotated order, and each phase
+    keeps its shortest time (noise only adds time); tokens and step statistics come from the first run."""
+    from decode.bench import run_interleaved
+    from decode.generate import Generation
+
+    calls, times = [], {"a": iter([(1.0, 5.0), (0.5, 4.0), (0.8, 3.0)]), "b": iter([(2.0, 9.0), (2.5, 7.0), (3.0, 8.0)])}
+
+    def run(kind, index, ids):
+        calls.append(kind)
+        if len(ids) == 16:  # the warm-up call, on the prompt's first 16 tokens
+            return Generation(output_ids=[0])
+        ttft, decoding = next(times[kind])
+        tokens = [7, 8] if (kind, len([c for c in calls if c == kind])) != ("b", 4) else [7, 9]
+        return Generation(output_ids=tokens, drafted=[len(calls)], ttft_s=ttft, total_s=ttft + decoding)
+
+    results = run_interleaved(["a", "b"], run, [list(range(20))], repeats=3)
+    assert calls[2:] == ["a", "b", "b", "a", "a", "b"]  # after the warm-ups, rounds rotate the order
+    a, b = results["a"][0], results["b"][0]
+    assert (a.ttft_s, a.total_s) == (0.5, 3.5)  # fastest prefill 0.5, fastest decoding 3.0 (another run)
+    assert (b.ttft_s, b.total_s) == (2.0, 9.0)
+    assert a.drafted == [3] and a.output_ids == [7, 8]  # the first run's statistics
+    assert (a.repeats_differ, b.repeats_differ) == (0, 1)
+    with pytest.raises(ValueError, match="bench.repeats=0"):
+        run_interleaved(["a"], run, [list(range(20))], repeats=0)

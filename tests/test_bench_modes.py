@@ -67,7 +67,9 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
 
 def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path, tiny_export):
     summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path, f"proposer.path={tiny_export}", "bench.mode=sweep",
-                               "bench.num_prompts=2", "bench.sweep_thresholds=[0.5]"))
+                               "bench.num_prompts=2", "bench.sweep_thresholds=[0.5]", "bench.repeats=2"))
+    # Two runs of every setting per prompt; the seeds repeat, so each repeat produced the same tokens.
+    assert summary["repeats"] == 2 and summary["repeats_differ"] == 0
     assert set(summary["settings"]) == {"fixed_1", "fixed_2", "fixed_3", "threshold_0.5", "cost"}
     assert summary["best_fixed"] in summary["settings"] and summary["cost_vs_best_fixed"] > 0
     ceiling = summary["ceiling"]  # the oracle schedule on each fixed length's steps, priced by the profile
@@ -84,6 +86,7 @@ def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_e
         for name in ("plain", "fixed", "scheduled"):
             runs = row[name]["total_tokens_per_s_runs"]
             assert len(runs) == 3 and row[name]["total_tokens_per_s"] == sorted(runs)[1]  # the median run's rate
+            assert row[name]["total_tokens_per_s_best"] == max(runs)
             assert row[name]["per_request_tokens_per_s"] > 0
     assert (tmp_path / "load_sweep.png").stat().st_size > 1000
 
