@@ -203,6 +203,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         profile_info = {"path": str(profile_path), "measured_now": measured}
     scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold, profile, cfg.scheduler.max_skip)
     session = CausalSession(target.model, proposer.feature_layers)
+    plain_session = CausalSession(target.model)  # plain decoding gathers no hidden states: its real cost
     stop, pad, encoded = bench.stop, bench.pad, bench.encoded
 
     def run(kind: str, index: int, ids: list[int]) -> Generation:
@@ -211,7 +212,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         torch.manual_seed(seed)  # HF generate samples with the global generator
         common = (sampler, cfg.decode.max_new_tokens)
         if kind == "plain":
-            return speculative_generate(session, ids, NoProposer(), *common, 0, stop, generator=generator)
+            return speculative_generate(plain_session, ids, NoProposer(), *common, 0, stop, generator=generator)
         if kind == "spec" and cfg.scheduler.name == "load":  # the batched engine, one request at a time
             from decode.batch_generate import LoadPolicy, Request, batched_generate
 

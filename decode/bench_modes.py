@@ -57,11 +57,12 @@ def run_sweep(bench) -> dict:
         rules["cost"] = (block, CostRule(profile, max_skip=cfg.scheduler.max_skip))
         profile_info = {"path": str(path), "measured_now": measured}
     session = CausalSession(bench.target.model, proposer.feature_layers)
+    plain_session = CausalSession(bench.target.model)  # plain decoding gathers no hidden states: its real cost
 
     def run(kind, index, ids):
         generator = torch.Generator(device=bench.target.model.device).manual_seed(cfg.bench.seed + index)
         if kind == "plain":
-            return speculative_generate(session, ids, NoProposer(), sampler, cfg.decode.max_new_tokens, 0, bench.stop,
+            return speculative_generate(plain_session, ids, NoProposer(), sampler, cfg.decode.max_new_tokens, 0, bench.stop,
                                         generator=generator)
         num_draft, rule = rules[kind]
         return speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, num_draft, bench.stop,
