@@ -27,9 +27,13 @@ def can_batch(proposers: list) -> bool:
 
 @torch.inference_mode()
 def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[int]], limits: list[int], sampler: Sampler,
-                   generators: list, rule=None) -> list[Proposal]:
+                   generators: list, rule=None, gate=None) -> list[Proposal]:
     """One proposal per request (at most limits[r] tokens, cut by the stopping rule as `propose` cuts it;
-    `rule` is one rule for every request or a list of one per request)."""
+    `rule` is one rule for every request or a list of one per request).
+
+    `gate(first)`, for batch-wide rules: asked once, after the backbone pass, with [c_1] of each request in
+    `proposers` order ([] for those that draft nothing); False ends the step for every request before any
+    token is drawn (no LM head, no Markov step, no draw), and every proposal comes back empty."""
     rules = rule if isinstance(rule, list) else [rule] * len(proposers)
     rows = [r for r, limit in enumerate(limits) if limit > 0]
     proposals = [Proposal([]) for _ in proposers]
@@ -59,6 +63,12 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
             embedding = heads.markov_w1(previous)  # (R, r)
             z = drafter.confidence_head(torch.cat([hidden, embedding], -1)).float()  # (R,)
             scores = torch.sigmoid(z / temperatures[k] if temperatures else z)
+            if k == 0 and gate is not None:
+                first = [[] for _ in proposers]
+                for i in live:
+                    first[rows[i]] = [float(scores[i])]
+                if not gate(first):
+                    return proposals  # nothing drawn: the requests' random streams are untouched
             for i in live:  # the rule sees c_1..c_k before x_k is drawn, as in `propose`
                 raw[rows[i]].append(z[i])
                 confidence[rows[i]].append(scores[i])

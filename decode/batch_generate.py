@@ -23,7 +23,8 @@ from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from decode.proposer import Proposal
 from decode.sampling import Sampler
-from decode.scheduler import FixedRule, at, backoff_count, can_pay, cut, load_pays, load_schedule, make_backoff, worth_drafting
+from decode.scheduler import (FixedRule, at, backoff_count, can_pay, cut, load_admits_any, load_pays, load_schedule, make_backoff,
+                              worth_drafting)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class LoadPolicy:
 
     profile: object
     rule: object = None  # the LoadRule (its max_skip drives the batch-wide backoff), None: no backoff
+    # Stop a step after c_1 when admission would take nothing (_load_gate); False drafts whole blocks and
+    # lets admission cut them (the reference twin: same admitted positions, more drafting).
+    lazy: bool = True
     admitted: list[int] = field(default_factory=list)  # per step: verify positions admitted, for reports
 
 
@@ -111,7 +115,9 @@ def batched_generate(
             continue
 
         drafting, limits = _drafting(active, num_draft, rule, load, engine_backoff)
-        _draft_all(drafting, limits, sampler, None if load else rule)  # scheduler=load admits batch-wide below
+        # scheduler=load admits batch-wide below; its gate ends the step after c_1 when nothing would be admitted.
+        gate = _load_gate(load, len(active), limits) if load is not None and load.lazy else None
+        _draft_all(drafting, limits, sampler, None if load else rule, gate)
         if load is not None:
             admitted = _admit(active, load)
             if engine_backoff is not None and any(limits):
@@ -161,12 +167,13 @@ def _drafting(active: list[_Active], num_draft: int, rule, load: LoadPolicy | No
     return drafting, limits
 
 
-def _draft_all(items: list[_Active], limits: list[int], sampler: Sampler, rule) -> None:
-    """Each drafting request's proposal: block drafters in one batched backbone pass, others one by one."""
+def _draft_all(items: list[_Active], limits: list[int], sampler: Sampler, rule, gate=None) -> None:
+    """Each drafting request's proposal: block drafters in one batched backbone pass, others one by one
+    (`gate`: see propose_blocks; drafters that cannot batch draw whole blocks and leave the cut to admission)."""
     if can_batch([item.proposer for item in items]):
         rules = [at(rule, len(item.context)) for item in items]  # each request's step at its own context
         proposals = propose_blocks([item.proposer for item in items], [item.context for item in items], limits, sampler,
-                                   [item.request.generator for item in items], rules)
+                                   [item.request.generator for item in items], rules, gate)
         for item, proposal, own in zip(items, proposals, rules):
             item.proposal = proposal if own is None else proposal.truncate(cut(proposal, own))
         return
@@ -194,6 +201,22 @@ def _load_can_pay(load: LoadPolicy, rows: int, limits: list[int]) -> bool:
                    lambda r, length: load.profile.verify_s(r, length, "batched"))
 
 
+def _load_gate(load: LoadPolicy, rows: int, limits: list[int]):
+    """scheduler=load's gate for propose_blocks: whether admission would take any pair, asked with c_1 alone.
+    It prices the step as `_admit` does (the whole blocks' drafting), so it answers exactly what `_admit` would
+    decide first (load_admits_any): a step that admits nothing stops after the backbone pass instead of
+    drawing whole blocks only to cut them to nothing. The reference twin is LoadPolicy(lazy=False)."""
+    lengths = [limit for limit in limits if limit > 0]
+    draft_s = load.profile.draft_rows_s(lengths)
+    verify_s = lambda r, length: load.profile.verify_s(r, length, "batched")  # noqa: E731
+
+    def gate(first: list[list[float]]) -> bool:
+        # Requests that draft nothing this step are rows of the verify all the same.
+        return load_admits_any(first + [[]] * (rows - len(first)), draft_s, verify_s)
+
+    return gate
+
+
 def _admit(active: list[_Active], load: LoadPolicy) -> int:
     """DSpark's load-aware admission: cut each request's block to its admitted length. Returns what the
     batch-wide backoff is told: the positions admitted, or 0 when they did not pay for the drafting."""
@@ -203,6 +226,9 @@ def _admit(active: list[_Active], load: LoadPolicy) -> int:
             raise ValueError("scheduler=load needs a proposer with a confidence head (proposer=drafter, dspark export)")
         values = [] if item.proposal.confidence is None else item.proposal.confidence.float().cumprod(0).tolist()
         survival.append(values)
+    if not any(survival):  # nothing drafted (the gate ended the step after c_1, or no request drafted)
+        load.admitted.append(0)
+        return 0
     draft_s = load.profile.draft_rows_s([len(values) for values in survival if values])  # already spent when admission runs
     verify_s = lambda rows, length: load.profile.verify_s(rows, length, "batched")  # noqa: E731
     lengths = load_schedule(survival, draft_s, verify_s)

@@ -204,6 +204,14 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
     return lengths
 
 
+def load_admits_any(first: list[list[float]], draft_s: float, verify_s) -> bool:
+    """Whether `load_schedule` admits at least one pair, from each request's a_{r,1} alone (`first[r]`: [a_{r,1}],
+    or [] for a request that drafts nothing). Its first decision is about the best pair, and that is always a
+    position-1 pair: a_{r,j} <= a_{r,1}, and ties go to the lower position. So c_1 of every request, known after
+    the backbone pass, settles whether anything is admitted, before any drafted token is drawn."""
+    return any(load_schedule(first, draft_s, verify_s))
+
+
 def load_pays(survival: list[list[float]], lengths: list[int], draft_s: float, verify_s) -> bool:
     """Whether an admitted set beat plain decoding with this step's drafting counted in full."""
     rows, longest = len(survival), max(lengths, default=0)

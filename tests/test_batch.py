@@ -271,3 +271,29 @@ def test_the_row_left_after_a_longer_one_leaves_runs_without_holes():
     logits, _ = session.forward([[11]])
     expected, _ = CausalSession(model).forward([7, 8, 10, 11])
     torch.testing.assert_close(logits[0, :1], expected[-1:], rtol=1e-5, atol=1e-5)
+
+
+def test_load_gate_admits_as_whole_blocks_would_and_draws_nothing_where_nothing_is_admitted():
+    """scheduler=load stops a step after c_1 when admission would take nothing (LoadPolicy(lazy=True), the
+    default); its reference twin drafts whole blocks and lets admission cut them (lazy=False). Both admit the
+    same positions at every step and give the same tokens at T=0; where nothing is admitted, the lazy
+    engine runs no LM head (no drafted token is drawn)."""
+    target, drafter = make_drafter("dspark")
+    never = synthetic_profile(per_token=0.004)  # probing allowed (sure survival would pay), admission never pays
+    never.draft_batched = {"1": [0.001] * 5, "4": [0.004] * 5}
+    for profile in (cheap_profile(), never):
+        runs = {}
+        for lazy in (True, False):
+            heads = []
+            handle = drafter.lm_head.register_forward_hook(lambda *_: heads.append(1))
+            load = LoadPolicy(profile, lazy=lazy)
+            got, _ = batched(target, BlockDrafterProposer(drafter, (1, 2)), Sampler(), 4, load=load)
+            handle.remove()
+            runs[lazy] = (got, load.admitted, len(heads))
+        assert runs[True][:2] == runs[False][:2]
+        if profile is never:
+            assert not any(runs[True][1]) and runs[True][2] == 0 < runs[False][2]
+        else:
+            assert any(runs[True][1]) and 0 in runs[True][1]  # steps of both kinds: the gate passed and stopped
+    for prompt, limit, out in zip(PROMPTS, LIMITS, runs[True][0]):
+        assert out == hf_greedy(target, prompt, limit, EOS)

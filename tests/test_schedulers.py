@@ -4,6 +4,8 @@ exact at T=0), and a rule that looks ahead (DSpark App. A) biases the output, wh
 from __future__ import annotations
 
 import itertools
+import math
+import random
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from decode.batch_generate import LoadPolicy, Request, batched_generate
 from decode.generate import speculative_generate
 from decode.proposer import BlockDrafterProposer, Proposal
 from decode.sampling import Sampler, sample
-from decode.scheduler import CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_pays, load_schedule
+from decode.scheduler import (CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_admits_any, load_pays,
+                              load_schedule)
 from tests.conftest import tiny_llama
 from tests.test_batch import cheap_profile, context_profile, dear_profile, synthetic_profile
 from tests.test_sampling_lossless import (
@@ -127,6 +130,25 @@ def test_load_schedule_admits_by_survival_and_stops_at_first_non_improvement():
     assert not load_pays([[0.3]], [1], 0.01, verify)  # ... but not plain decoding's 1 in 12 ms
     assert load_pays([[0.3]], [1], 0.0, verify) and not load_pays([[0.3]], [0], 0.0, verify)
     assert load_schedule([[0.05]], 0.01, verify) == [0]  # 1.05 in 24 ms lose to 1 in 22 ms
+
+
+def test_first_positions_settle_whether_load_admission_takes_anything():
+    """load_admits_any reads only each request's a_{r,1} and answers what load_schedule over whole blocks
+    decides: random survival curves, ties included, on a cheap, a padded and a compute-bound verify curve."""
+    rng = random.Random(0)
+    curves = [lambda r, n: 0.012 + 0.0005 * r * n, lambda r, n: 0.010 + 0.004 * r * n, lambda r, n: 0.01 * r * n]
+    checked = {True: 0, False: 0}
+    for _ in range(600):
+        rows = rng.randint(1, 6)
+        survival = []
+        for _ in range(rows):
+            c = [rng.choice([0.05, 0.3, 0.5, 0.9, rng.random()]) for _ in range(rng.randint(0, 4))]
+            survival.append([math.prod(c[: j + 1]) for j in range(len(c))])  # a_{r,j}: non-increasing
+        draft_s, verify = rng.choice([0.0, 0.002, 0.02]), rng.choice(curves)
+        whole = any(load_schedule(survival, draft_s, verify))
+        assert load_admits_any([values[:1] for values in survival], draft_s, verify) == whole
+        checked[whole] += 1
+    assert min(checked.values()) > 50  # both answers were exercised
 
 
 def test_cost_rule_decides_the_step_given_its_probe_and_tells_the_backoff_whether_it_paid():
