@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -132,7 +131,8 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "context_length": context_length,
         "contexts": sorted(contexts),
         "draft_engine": "batched-by-length",  # profiles from before had one batched draft per row count: measure again
-        "method": "rounds",  # profiles measured point by point (before round-robin sampling): measure again
+        # "rounds": medians of rounds (point by point before that); "rounds-min": fastest of the rounds
+        "method": "rounds-min",
         "batched_rows": "ragged",  # profiles from before the one-row fast path measured equal rows: measure again
     }
 
@@ -154,10 +154,12 @@ def by_context(seconds: dict[int, float], context: int) -> float:
     return max((1 - w) * seconds[low] + w * seconds[high], seconds[measured[0]])
 
 
-def _median_curve(fns: list, repeats: int) -> list[float]:
-    """Median seconds of each of `fns`, measured in rounds (fn 0, 1, ..., then again) after one warm-up
+def _fastest_curve(fns: list, repeats: int) -> list[float]:
+    """Fastest seconds of each of `fns`, measured in rounds (fn 0, 1, ..., then again) after one warm-up
     call each: what a scheduler reads is the ratio between points of a curve, and a machine's speed
-    drifts (other processes, clocks), so every point is sampled across the same stretch of time."""
+    drifts (other processes, clocks), so every point is sampled across the same stretch of time. Each
+    point keeps its fastest sample: the work repeats exactly and other processes can only add time, so
+    the minimum is the least noisy estimate (timeit's rule; medians kept a contended stretch's share)."""
     for fn in fns:
         fn()  # warm-up: first-call allocations stay out of the figures
     times = [[] for _ in fns]
@@ -168,7 +170,7 @@ def _median_curve(fns: list, repeats: int) -> list[float]:
             fn()
             _sync()
             samples.append(time.perf_counter() - start)
-    return [statistics.median(samples) for samples in times]
+    return [min(samples) for samples in times]
 
 
 def _token_source(model, seed: int = 0):
@@ -187,7 +189,7 @@ def measure_single_verify(model, feature_layers, max_length: int, context_length
         single.forward(tokens(length))
         single.rollback(context_length)
 
-    return _median_curve([lambda n=n: one(n) for n in range(1, max_length + 1)], repeats)
+    return _fastest_curve([lambda n=n: one(n) for n in range(1, max_length + 1)], repeats)
 
 
 def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int], context_length: int,
@@ -215,7 +217,7 @@ def measure_verify(model, feature_layers, max_length: int, batch_sizes: list[int
             session.forward([feed[:length] for feed in feeds])
             session.keep([0] * rows)
 
-        table["batched"][str(rows)] = _median_curve([lambda n=n: step(n) for n in range(1, max_length + 1)], repeats)
+        table["batched"][str(rows)] = _fastest_curve([lambda n=n: step(n) for n in range(1, max_length + 1)], repeats)
     return table
 
 
@@ -244,7 +246,7 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
         # ℓ = 0 still runs the backbone pass (c_1 decides it), so draft one position and stop before sampling it.
         proposer.propose(context, max(length, 1), sampler, generator, StopAfter(length))
 
-    return _median_curve([lambda n=n: draft(n) for n in range(0, max_draft + 1)], repeats)
+    return _fastest_curve([lambda n=n: draft(n) for n in range(0, max_draft + 1)], repeats)
 
 
 def measure_draft_batched(proposer, model, context_length: int, max_draft: int, batch_sizes: list[int],
@@ -269,7 +271,7 @@ def measure_draft_batched(proposer, model, context_length: int, max_draft: int, 
 
     lengths = range(1, max_draft + 1)
     fns = [lambda r=r, n=n: draft(r, n) for r in batch_sizes for n in lengths]
-    seconds = _median_curve(fns, repeats)  # rows-major: batch_sizes[i]'s curve is seconds[i*max_draft:(i+1)*max_draft]
+    seconds = _fastest_curve(fns, repeats)  # rows-major: batch_sizes[i]'s curve is seconds[i*max_draft:(i+1)*max_draft]
     return {str(r): seconds[i * max_draft : (i + 1) * max_draft] for i, r in enumerate(batch_sizes)}
 
 
