@@ -8,7 +8,8 @@ for all rows at once. Per row everything happens as in `propose`, the reference 
 (tests/test_batch_draft.py holds them equal): the same confidences, the same stopping rule asked before
 x_k is drawn, and one draw per drafted position from that request's own generator, in the same
 order, so a request's random stream does not depend on which other requests share its step (requests
-without a generator draw from torch's global stream, then position by position across requests).
+without a generator draw from torch's global stream, then position by position across requests). A batch-wide
+`gate` (scheduler=load) is the exception: when it ends a step after c_1, no request draws at all.
 """
 
 from __future__ import annotations

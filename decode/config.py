@@ -78,7 +78,7 @@ class BenchSettings:
     sweep_thresholds: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7, 0.9])
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # mode=load
     load_repeats: int = 1  # mode=load: runs of each method per concurrency, rotated; rates are their medians
-    # mode=single/sweep: runs of every method per prompt, rotated; each phase keeps its fastest time (seeds repeat)
+    # mode=single/sweep: runs of every method per prompt, rotated; the fastest run is kept (seeds repeat)
     repeats: int = 1
 
 

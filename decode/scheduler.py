@@ -186,7 +186,8 @@ def load_schedule(survival: list[list[float]], draft_s: float, verify_s) -> list
     Returns the verify length per request.
     """
     rows = len(survival)
-    pairs = sorted(((a, j, r) for r, values in enumerate(survival) for j, a in enumerate(values)),
+    # A NaN survival (a broken confidence head) counts as 0: NaN has no place in a sort's order.
+    pairs = sorted(((0.0 if math.isnan(a) else a, j, r) for r, values in enumerate(survival) for j, a in enumerate(values)),
                    key=lambda item: (-item[0], item[1], item[2]))
     lengths = [0] * rows
     expected = float(rows)  # each request's own target token

@@ -142,13 +142,18 @@ def test_first_positions_settle_whether_load_admission_takes_anything():
         rows = rng.randint(1, 6)
         survival = []
         for _ in range(rows):
-            c = [rng.choice([0.05, 0.3, 0.5, 0.9, rng.random()]) for _ in range(rng.randint(0, 4))]
+            c = [rng.choice([0.05, 0.3, 0.5, 0.9, 1.0, rng.random()]) for _ in range(rng.randint(0, 4))]
             survival.append([math.prod(c[: j + 1]) for j in range(len(c))])  # a_{r,j}: non-increasing
         draft_s, verify = rng.choice([0.0, 0.002, 0.02]), rng.choice(curves)
         whole = any(load_schedule(survival, draft_s, verify))
         assert load_admits_any([values[:1] for values in survival], draft_s, verify) == whole
         checked[whole] += 1
     assert min(checked.values()) > 50  # both answers were exercised
+    # A NaN survival counts as 0 in both (a sort has no order for NaN): 0.9 is admitted either way.
+    verify = lambda r, n: 0.012 + 0.0005 * r * n  # noqa: E731
+    survival = [[0.5, 0.45, 0.4], [math.nan], [0.3], [0.9]]
+    assert load_schedule(survival, 0.0, verify)[3] == 1
+    assert load_admits_any([values[:1] for values in survival], 0.0, verify)
 
 
 def test_cost_rule_decides_the_step_given_its_probe_and_tells_the_backoff_whether_it_paid():
@@ -177,10 +182,26 @@ def enumerated_joint(model, prompt, sampler, length=2) -> np.ndarray:
     return joint.ravel() / joint.sum()
 
 
-def test_load_scheduler_keeps_batched_sampling_lossless():
+def mixed_load_profile() -> object:
+    """Batched drafting cheap, a verified position dear enough that admission pays on some steps only:
+    the lazy load gate ends the others after c_1."""
+    profile = synthetic_profile(rows=(1, 2, 4, 8), length=4, per_token=0.0001)
+    profile.draft_batched = {"1": [0.0001] * 4, "8": [0.0008] * 4}
+    return profile
+
+
+@pytest.mark.parametrize("make_profile", [lambda: cheap_profile(rows=(1, 2, 4, 8), length=4), mixed_load_profile],
+                         ids=["admits_often", "gated_steps"])
+def test_load_scheduler_keeps_batched_sampling_lossless(make_profile, monkeypatch):
     """Requests decoded together under scheduler=load at T=1: each request's first two tokens follow
-    the target's distribution (a small vocabulary lets us enumerate it)."""
+    the target's distribution (a small vocabulary lets us enumerate it), with steps that admit ragged
+    lengths and, for the second profile, steps the gate ends after c_1."""
+    import decode.batch_generate
     from train.drafter import BlockDrafter
+
+    answers = []
+    spy = decode.batch_generate.load_admits_any
+    monkeypatch.setattr(decode.batch_generate, "load_admits_any", lambda *a: answers.append(spy(*a)) or answers[-1])
 
     target = tiny_llama(0, vocab_size=VOCAB)
     with torch.no_grad():
@@ -191,14 +212,16 @@ def test_load_scheduler_keeps_batched_sampling_lossless():
     drafter.copy_target_weights(target)
     proposer = BlockDrafterProposer(drafter, (1, 2))
     prompt, s = [2, 5, 3], Sampler(temperature=1.0)
-    load = LoadPolicy(cheap_profile(rows=(1, 2, 4, 8), length=4))
+    load = LoadPolicy(make_profile())
     samples = []
     for batch in range(300):
         requests = [Request(prompt, 4, torch.Generator().manual_seed(1000 * batch + i)) for i in range(8)]
         for gen in batched_generate(target, requests, proposer, s, 3, (), None, load, 8):
             samples.append(gen.output_ids[:2])
     drafted = {d for d in load.admitted}
-    assert len(drafted) > 1  # the scheduler really varied the admitted positions
+    assert len(drafted - {0}) > 1  # the scheduler really varied the admitted positions
+    if make_profile is mixed_load_profile:
+        assert answers.count(False) > 100 and answers.count(True) > 100  # gated steps and admitting steps
     assert goodness_of_fit(np.array(samples), enumerated_joint(target, prompt, s)) > 1e-4
 
 
