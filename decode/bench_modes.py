@@ -131,10 +131,10 @@ def _median_run(runs: list[dict]) -> dict:
 def run_load(bench) -> dict:
     """Plain, fixed and load-scheduled batched decoding at each concurrency."""
     cfg = bench.cfg
+    if cfg.bench.load_repeats < 1:  # before the profile: a bad setting must not cost a measurement
+        raise ValueError(f"bench.load_repeats={cfg.bench.load_repeats}; it must be >= 1 (runs per method and concurrency)")
     profile, path, measured = bench.profile()
     num_draft = cfg.decode.num_draft
-    if cfg.bench.load_repeats < 1:
-        raise ValueError(f"bench.load_repeats={cfg.bench.load_repeats}; it must be >= 1 (runs per method and concurrency)")
     # Warm-up: first-call allocations stay out of the first measurement.
     warm = Request(bench.encoded[0][:16], 4)
     batched_generate(bench.target.model, [warm], bench.proposer, bench.sampler, num_draft, bench.stop, max_concurrency=1)
@@ -150,8 +150,8 @@ def run_load(bench) -> dict:
             shift = (len(table) + repeat) % len(methods)
             for name, proposer, k, policy in methods[shift:] + methods[:shift]:
                 runs[name].append(_closed_loop(bench, concurrency, proposer, k, policy))
-        for name, measured in runs.items():
-            row[name] = _median_run(measured)
+        for name, method_runs in runs.items():  # not `measured`: that names whether the profile was measured now
+            row[name] = _median_run(method_runs)
         greedy_same = None
         if bench.sampler.greedy:
             greedy_same = row["scheduled"]["outputs"] == row["plain"]["outputs"] == row["fixed"]["outputs"]

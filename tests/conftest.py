@@ -10,6 +10,14 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _profile_cache(tmp_path_factory, monkeypatch):
+    """Cost profiles measured by tests go to a temporary folder, never to the user's cache."""
+    import decode.profile
+
+    monkeypatch.setattr(decode.profile, "CACHE_DIR", tmp_path_factory.getbasetemp() / "profiles")
+
+
 def tiny_llama(seed: int, vocab_size: int = 64, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:
     """A random 2-layer Llama in float32 eval mode, deterministic for a seed."""
     torch.manual_seed(seed)

@@ -81,6 +81,7 @@ def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_e
     summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path, f"proposer.path={tiny_export}", "bench.mode=load",
                                "bench.num_prompts=3", "bench.load_repeats=3"))
     assert [row["concurrency"] for row in summary["table"]] == [1, 2]
+    assert summary["profile"]["measured_now"] is True  # the flag, not a method's runs
     for row in summary["table"]:
         assert row["outputs_equal_at_T0"] is True
         for name in ("plain", "fixed", "scheduled"):
