@@ -60,6 +60,10 @@ class LoadPolicy:
     lazy: bool = True
     admitted: list[int] = field(default_factory=list)  # per step: verify positions admitted, for reports
 
+    def verify_s(self, rows: int, length: int) -> float:
+        """The batched engine's verify-step seconds for its padded (rows, length) shape."""
+        return self.profile.verify_s(rows, length, "batched")
+
 
 def batched_generate(
     model: torch.nn.Module,
@@ -116,7 +120,7 @@ def batched_generate(
 
         drafting, limits = _drafting(active, num_draft, rule, load, engine_backoff)
         # scheduler=load admits batch-wide below; its gate ends the step after c_1 when nothing would be admitted.
-        gate = _load_gate(load, len(active), limits) if load is not None and load.lazy else None
+        gate = _load_gate(load, limits) if load is not None and load.lazy else None
         _draft_all(drafting, limits, sampler, None if load else rule, gate)
         if load is not None:
             admitted = _admit(active, load)
@@ -197,24 +201,17 @@ def _load_can_pay(load: LoadPolicy, rows: int, limits: list[int]) -> bool:
     if not lengths:
         return True  # nothing would be drafted anyway
     draft_s = load.profile.draft_rows_s(lengths)  # whole blocks, one pass
-    return can_pay(rows, len(lengths), max(lengths), lambda length: draft_s,
-                   lambda r, length: load.profile.verify_s(r, length, "batched"))
+    return can_pay(rows, len(lengths), max(lengths), lambda length: draft_s, load.verify_s)
 
 
-def _load_gate(load: LoadPolicy, rows: int, limits: list[int]):
+def _load_gate(load: LoadPolicy, limits: list[int]):
     """scheduler=load's gate for propose_blocks: whether admission would take any pair, asked with c_1 alone.
     It prices the step as `_admit` does (the whole blocks' drafting), so it answers exactly what `_admit` would
     decide first (load_admits_any): a step that admits nothing stops after the backbone pass instead of
-    drawing whole blocks only to cut them to nothing. The reference twin is LoadPolicy(lazy=False)."""
-    lengths = [limit for limit in limits if limit > 0]
-    draft_s = load.profile.draft_rows_s(lengths)
-    verify_s = lambda r, length: load.profile.verify_s(r, length, "batched")  # noqa: E731
-
-    def gate(first: list[list[float]]) -> bool:
-        # Requests that draft nothing this step are rows of the verify all the same.
-        return load_admits_any(first + [[]] * (rows - len(first)), draft_s, verify_s)
-
-    return gate
+    drawing whole blocks only to cut them to nothing. Under load every active request drafts, or none does
+    (`_drafting`), so the gate sees every row of the step. The reference twin is LoadPolicy(lazy=False)."""
+    draft_s = load.profile.draft_rows_s([limit for limit in limits if limit > 0])
+    return lambda first: load_admits_any(first, draft_s, load.verify_s)
 
 
 def _admit(active: list[_Active], load: LoadPolicy) -> int:
@@ -230,9 +227,8 @@ def _admit(active: list[_Active], load: LoadPolicy) -> int:
         load.admitted.append(0)
         return 0
     draft_s = load.profile.draft_rows_s([len(values) for values in survival if values])  # already spent when admission runs
-    verify_s = lambda rows, length: load.profile.verify_s(rows, length, "batched")  # noqa: E731
-    lengths = load_schedule(survival, draft_s, verify_s)
+    lengths = load_schedule(survival, draft_s, load.verify_s)
     for item, length in zip(active, lengths):
         item.proposal = item.proposal.truncate(length)
     load.admitted.append(sum(lengths))
-    return sum(lengths) if load_pays(survival, lengths, draft_s, verify_s) else 0
+    return sum(lengths) if load_pays(survival, lengths, draft_s, load.verify_s) else 0

@@ -239,8 +239,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 def run_interleaved(kinds: list[str], run, encoded: list[list[int]], repeats: int = 1) -> dict[str, list[Generation]]:
     """Every method on every prompt, `run(kind, index, ids)`, after one warm-up call of each; the order
     rotates per prompt and per round so no method always runs first (cache and CPU frequency effects).
-    With repeats > 1 each prompt runs every method `repeats` times and keeps each phase's fastest time
-    (`fastest`)."""
+    With repeats > 1 each prompt runs every method `repeats` times and keeps its fastest run (`fastest`)."""
     if repeats < 1:
         raise ValueError(f"bench.repeats={repeats}; it must be >= 1 (runs of every method per prompt)")
     for kind in kinds:  # warm-up: first-call allocations and lazy inits stay out of the timings

@@ -2,7 +2,7 @@
 # Issue-4 benchmarks for one dspark export: calibrate the confidence head on held-out prompts the
 # benchmarks do not use (skipped if EXPORT/calibration.json exists), sweep fixed lengths, a threshold
 # and the cost scheduler (MT-bench and held-out ShareGPT, T=0 and T=1), then the load sweep (T=0).
-# Sweeps run every setting REPEATS times per prompt and keep each phase's fastest time (bench.repeats).
+# Sweeps run every setting REPEATS times per prompt and keep its fastest run (bench.repeats).
 # Usage: scripts/schedule_bench.sh EXPORT OUT [N_PROMPTS] [TOKENS] [DTYPE] [REPEATS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
