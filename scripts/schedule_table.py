@@ -1,6 +1,6 @@
 """Markdown tables from the results of scripts/schedule_bench.sh: one row per sweep cell (speed as a
-multiple of plain decoding, τ in brackets; end to end and after the first token; the oracle ceiling of
-decode/oracle.py) and the load sweep.
+multiple of plain decoding, τ in brackets; end to end and after the first token; the best cut on c_1
+and the oracle ceiling of decode/oracle.py) and the load sweep.
 
 Usage: .venv/bin/python scripts/schedule_table.py OUT
 """
@@ -12,6 +12,16 @@ import sys
 from pathlib import Path
 
 
+def _cut(summary: dict) -> str:
+    """The best cut on c_1 (decode/oracle.py's confidence_cut) over the best fixed length: probes priced;
+    in brackets, the share of steps it drafts and how many of those survive."""
+    probed = ((summary.get("ceiling") or {}).get("confidence_cut") or {}).get("probed")
+    if not probed or probed.get("vs_best_fixed") is None:
+        return "-"
+    precision = "-" if probed["precision"] is None else f"{probed['precision']:.2f}"
+    return f"{probed['vs_best_fixed']:.2f} (drafts {probed['drafted_fraction']:.2f}, survive {precision})"
+
+
 def sweep_rows(out: Path) -> list[str]:
     cells = sorted(out.glob("sweep-*/results.json"))
     if not cells:
@@ -19,8 +29,9 @@ def sweep_rows(out: Path) -> list[str]:
     summaries = [json.loads(path.read_text()) for path in cells]
     names = list(dict.fromkeys(name for summary in summaries for name in summary["settings"]))  # cells may sweep different lengths
     lines = ["| data, T | plain tok/s | " + " | ".join(names)
-             + " | cost / best fixed | same, after the first token | ceiling: oracle / best fixed, priced |",
-             "|" + "---|" * (len(names) + 5)]
+             + " | cost / best fixed | same, after the first token | best c_1 cut / best fixed, priced"
+             + " | ceiling: oracle / best fixed, priced |",
+             "|" + "---|" * (len(names) + 6)]
     for summary in summaries:
         settings = summary["settings"]
         config = summary["config"]
@@ -30,6 +41,7 @@ def sweep_rows(out: Path) -> list[str]:
         lines.append(f"| {label} | {summary['plain_tokens_per_s']:.2f} | " + " | ".join(row)
                      + f" | {summary.get('cost_vs_best_fixed', float('nan')):.2f}"
                      + f" | {summary.get('cost_vs_best_fixed_decode', float('nan')):.2f}"
+                     + f" | {_cut(summary)}"
                      + f" | {(summary.get('ceiling') or {}).get('oracle_vs_best_fixed') or float('nan'):.2f} |")
     return lines
 

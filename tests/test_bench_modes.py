@@ -75,6 +75,10 @@ def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path
     ceiling = summary["ceiling"]  # the oracle schedule on each fixed length's steps, priced by the profile
     assert set(ceiling["oracle_decode_tokens_per_s"]) == {"fixed_1", "fixed_2", "fixed_3"}
     assert ceiling["best_fixed"] in ceiling["oracle_decode_tokens_per_s"] and ceiling["oracle_vs_best_fixed"] > 0
+    # The best cut on c_1 over fixed_1's steps (every one drafted with a confidence), with and without probes priced.
+    probed, free = ceiling["confidence_cut"]["probed"], ceiling["confidence_cut"]["probe_free"]
+    assert probed["steps"] == free["steps"] > 0 and probed["probe_priced"] and not free["probe_priced"]
+    assert free["decode_tokens_per_s"] >= probed["decode_tokens_per_s"] and probed["vs_best_fixed"] > 0
 
 
 def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_export):
