@@ -88,7 +88,8 @@ def confidence_ceiling(generations: list[Generation], prompt_lengths: list[int],
     the result holds for any calibration. A step the rule does not draft keeps one token per plain step
     (the tokens its drafted position would have added come from plain steps too); with `probe` every
     step pays the backbone pass that gives c_1, without it the bound holds for rules that skip probes too.
-    None when no step recorded a confidence."""
+    Steps that drafted nothing (no room left before the length limit) are left out. None when no step
+    recorded a confidence."""
     steps = [s for length, g in zip(prompt_lengths, generations) for s in first_position_steps(length, g)]
     if not steps:
         return None
@@ -100,13 +101,12 @@ def confidence_ceiling(generations: list[Generation], prompt_lengths: list[int],
              for context, _, _, kept in steps]
     order = sorted(range(len(steps)), key=lambda i: -steps[i][1])  # most confident first
     seconds = best_seconds = sum(plain)
-    best_count, count = 0, 0
-    for rank, i in enumerate(order):
+    best_count = 0
+    for rank, i in enumerate(order):  # drafting the rank + 1 most confident steps
         seconds += drafted[i] - plain[i]
-        count += 1
         tied = rank + 1 < len(order) and steps[order[rank + 1]][1] == steps[i][1]  # a cut cannot split equal scores
         if not tied and seconds < best_seconds:
-            best_seconds, best_count = seconds, count
+            best_seconds, best_count = seconds, rank + 1
     chosen = order[:best_count]
     return {"steps": len(steps), "probe_priced": probe,
             "survival_rate": sum(s[2] for s in steps) / len(steps),
