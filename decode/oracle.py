@@ -63,7 +63,7 @@ def oracle_ceiling(results: dict[str, list[Generation]], prompt_lengths: list[in
     confidence = {}
     if "fixed_1" in results:
         for name, probe in (("probed", True), ("probe_free", False)):
-            bound = confidence_ceiling(results["fixed_1"], prompt_lengths, profile, probe)
+            bound = confidence_cut(results["fixed_1"], prompt_lengths, profile, probe)
             if bound and ran:
                 bound["vs_best_fixed"] = bound["decode_tokens_per_s"] / priced[best_fixed]
             confidence[name] = bound
@@ -81,7 +81,7 @@ def first_position_steps(prompt_length: int, generation: Generation) -> list[tup
             for (context, _, accepted, kept), logits in zip(drafting, generation.confidence_logits) if logits]
 
 
-def confidence_ceiling(generations: list[Generation], prompt_lengths: list[int], profile, probe: bool = True) -> dict | None:
+def confidence_cut(generations: list[Generation], prompt_lengths: list[int], profile, probe: bool = True) -> dict | None:
     """The best priced rate of "draft one position iff z_1 >= cut" on fixed_1's steps, the cut chosen in
     hindsight: what a scheduler that ranks steps by the confidence head's c_1 could reach at most, where
     the oracle above knows the outcomes. Calibration is a monotone map of z_1, so it moves no ranking and

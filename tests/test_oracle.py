@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from decode.generate import Generation
-from decode.oracle import confidence_ceiling, oracle_ceiling, priced_rate, step_contexts
+from decode.oracle import confidence_cut, oracle_ceiling, priced_rate, step_contexts
 from tests.test_batch import synthetic_profile
 
 # synthetic_profile: verify of n tokens 10 + 2n ms, drafting ℓ positions 3 + ℓ ms, one context only.
@@ -54,24 +54,24 @@ def test_no_verify_step_gives_no_ceiling():
 
 def test_confidence_cut_drafts_the_steps_worth_drafting_when_the_head_ranks_them():
     """Steps ranked by z_1: the best cut drafts exactly those whose position 1 survives when the head
-    ranks survivors first, and drafts nothing when it ranks them last (a cut takes a top slice)."""
+    ranks survivors first; when it ranks them last, a cut (a top slice) takes all steps or none."""
     profile = synthetic_profile()  # plain step 12 ms, probe 3 ms, drafted step 4 + 14 = 18 ms
     # four fixed_1 steps: survived, failed, survived, failed -> 2 + 1 + 2 + 1 tokens
     ranked = Generation(output_ids=[1] * 7, drafted=[1] * 4, accepted=[1, 0, 1, 0],
                         confidence_logits=[[2.0], [-1.0], [1.5], [-2.0]])
-    probed = confidence_ceiling([ranked], [4], profile)
+    probed = confidence_cut([ranked], [4], profile)
     assert probed["drafted_fraction"] == 0.5 and probed["precision"] == 1.0 and probed["cut_logit"] == 1.5
     # drafted survivors: 18 ms for 2 tokens; the others: one probed plain step (15 ms) each
     assert probed["decode_tokens_per_s"] == pytest.approx(6 / (2 * 0.018 + 2 * 0.015))
     assert probed["never_draft_tokens_per_s"] == pytest.approx(6 / (6 * 0.015))
-    free = confidence_ceiling([ranked], [4], profile, probe=False)  # plain steps 12 ms: a failed draft costs 6 ms more
+    free = confidence_cut([ranked], [4], profile, probe=False)  # plain steps 12 ms: a failed draft costs 6 ms more
     assert free["drafted_fraction"] == 0.5 and free["decode_tokens_per_s"] == pytest.approx(6 / (2 * 0.018 + 2 * 0.012))
     # Ranked backwards, a cut reaches the survivors only through the failures: with the probe paid anyway
     # drafting everything (+12 ms twice, -3 ms twice) still beats nothing; without it, nothing is best.
     backwards = Generation(output_ids=[1] * 7, drafted=[1] * 4, accepted=[1, 0, 1, 0],
                            confidence_logits=[[-2.0], [1.0], [-1.5], [2.0]])
-    assert confidence_ceiling([backwards], [4], profile)["drafted_fraction"] == 1.0
-    nothing = confidence_ceiling([backwards], [4], profile, probe=False)
+    assert confidence_cut([backwards], [4], profile)["drafted_fraction"] == 1.0
+    nothing = confidence_cut([backwards], [4], profile, probe=False)
     assert nothing["drafted_fraction"] == 0.0 and nothing["precision"] is None and nothing["cut_logit"] is None
     assert nothing["decode_tokens_per_s"] == pytest.approx(nothing["never_draft_tokens_per_s"])
 
@@ -79,7 +79,7 @@ def test_confidence_cut_drafts_the_steps_worth_drafting_when_the_head_ranks_them
 def test_confidence_cut_never_splits_tied_scores_and_needs_recorded_confidences():
     profile = synthetic_profile()
     tied = Generation(output_ids=[1] * 5, drafted=[1, 1], accepted=[1, 0], confidence_logits=[[0.5], [0.5]])
-    bound = confidence_ceiling([tied], [4], profile)
+    bound = confidence_cut([tied], [4], profile)
     # drafting both nets +12 - 3 ms; drafting only the survivor would be better, but equal scores cannot be told apart
     assert bound["drafted_fraction"] == 1.0 and bound["precision"] == 0.5
-    assert confidence_ceiling([Generation(output_ids=[1] * 3, drafted=[1], accepted=[1])], [4], profile) is None
+    assert confidence_cut([Generation(output_ids=[1] * 3, drafted=[1], accepted=[1])], [4], profile) is None
