@@ -128,6 +128,13 @@ def _median_run(runs: list[dict]) -> dict:
     return row
 
 
+def paired_ratios(runs: list[dict], baseline: list[dict]) -> list[float]:
+    """Total tokens/s of each run ÷ the baseline's run of the same repeat. A repeat runs every method back to
+    back, so a slow stretch of the machine hits both sides of its ratio: the median of these paired ratios
+    is steadier than a ratio of the two methods' medians, which may come from different repeats."""
+    return [run["total_tokens_per_s"] / base["total_tokens_per_s"] for run, base in zip(runs, baseline)]
+
+
 def run_load(bench) -> dict:
     """Plain, fixed and load-scheduled batched decoding at each concurrency."""
     cfg = bench.cfg
@@ -152,6 +159,8 @@ def run_load(bench) -> dict:
                 runs[name].append(_closed_loop(bench, concurrency, proposer, k, policy))
         for name, method_runs in runs.items():  # not `measured`: that names whether the profile was measured now
             row[name] = _median_run(method_runs)
+        row["scheduled_vs_plain_runs"] = paired_ratios(runs["scheduled"], runs["plain"])
+        row["scheduled_vs_plain"] = statistics.median(row["scheduled_vs_plain_runs"])
         greedy_same = None
         if bench.sampler.greedy:
             greedy_same = row["scheduled"]["outputs"] == row["plain"]["outputs"] == row["fixed"]["outputs"]
@@ -161,7 +170,8 @@ def run_load(bench) -> dict:
         row["mean_admitted_per_step"] = sum(load.admitted) / len(load.admitted) if load.admitted else None
         table.append(row)
         print(f"  C={concurrency:<3} total tok/s plain {row['plain']['total_tokens_per_s']:.1f} "
-              f"fixed {row['fixed']['total_tokens_per_s']:.1f} scheduled {row['scheduled']['total_tokens_per_s']:.1f}")
+              f"fixed {row['fixed']['total_tokens_per_s']:.1f} scheduled {row['scheduled']['total_tokens_per_s']:.1f} "
+              f"(scheduled ÷ plain, paired: {row['scheduled_vs_plain']:.2f})")
     summary = {"mode": "load", "num_prompts": len(bench.encoded), "num_draft": num_draft, "table": table,
                "profile": {"path": str(path), "measured_now": measured}, "calibration": bench.calibration,
                "config": _config(bench)}

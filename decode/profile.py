@@ -27,6 +27,7 @@ from decode.batch_session import BatchedSession
 from decode.proposer import BlockDrafterProposer
 from decode.sampling import Sampler
 from decode.session import CausalSession
+from train.hardware import cpu_flags, native_bf16
 
 CACHE_DIR = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "profiles"
 
@@ -108,7 +109,10 @@ def machine_fingerprint() -> dict:
     except OSError:
         pass
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+    # The model name alone does not tell an AVX2 EPYC from an AVX512-BF16 one, whose bf16 cost curves differ
+    # several-fold (train/hardware.py): the ISA is part of the machine.
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(cpu_flags()),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
 
 
 def profile_fingerprint(target_name: str, target_model, drafter_path: str | None, dtype: torch.dtype,

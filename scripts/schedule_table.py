@@ -51,7 +51,7 @@ def load_rows(out: Path) -> list[str]:
     for path in sorted(out.glob("load-*/results.json")):
         summary = json.loads(path.read_text())
         lines += ["", f"{path.parent.name}: total tok/s plain / fixed / scheduled, medians of the runs "
-                  "(scheduled ÷ plain: median; fastest runs); per-request tok/s",
+                  "(scheduled ÷ plain: medians; fastest runs; paired by repeat); per-request tok/s",
                   "| C | total | scheduled ÷ plain | per request plain / fixed / scheduled | admitted per step |",
                   "|---|---|---|---|---|"]
         for row in summary["table"]:
@@ -59,8 +59,9 @@ def load_rows(out: Path) -> list[str]:
             best = [max(row[name]["total_tokens_per_s_runs"]) for name in ("plain", "scheduled")]
             each = [row[name]["per_request_tokens_per_s"] for name in ("plain", "fixed", "scheduled")]
             admitted = row["mean_admitted_per_step"]
+            paired = f"; {row['scheduled_vs_plain']:.2f}" if "scheduled_vs_plain" in row else ""  # older results lack it
             lines.append(f"| {row['concurrency']} | {' / '.join(f'{x:.1f}' for x in total)} | "
-                         f"{total[2] / total[0]:.2f}; {best[1] / best[0]:.2f} | "
+                         f"{total[2] / total[0]:.2f}; {best[1] / best[0]:.2f}{paired} | "
                          f"{' / '.join(f'{x:.2f}' for x in each)} | {'-' if admitted is None else f'{admitted:.2f}'} |")
     return lines
 

@@ -93,6 +93,8 @@ def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_e
             assert len(runs) == 3 and row[name]["total_tokens_per_s"] == sorted(runs)[1]  # the median run's rate
             assert row[name]["total_tokens_per_s_best"] == max(runs)
             assert row[name]["per_request_tokens_per_s"] > 0
+        paired = [s / p for s, p in zip(row["scheduled"]["total_tokens_per_s_runs"], row["plain"]["total_tokens_per_s_runs"])]
+        assert row["scheduled_vs_plain_runs"] == paired and row["scheduled_vs_plain"] == sorted(paired)[1]
     assert (tmp_path / "load_sweep.png").stat().st_size > 1000
 
 
