@@ -122,11 +122,12 @@ def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None 
         torch.set_num_threads(threads)
     torch_dtype = parse_dtype(dtype)
     path = resolve_target_path(name_or_path)
-    message = bf16_warning(torch_dtype, resolve_device(device), native_bf16(), platform.machine())
+    place = resolve_device(device)
+    message = bf16_warning(torch_dtype, place, native_bf16(), platform.machine())
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(resolve_device(device))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(place)
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
 
