@@ -66,7 +66,7 @@ class LoadPolicy:
 
 
 def batched_generate(
-    model: torch.nn.Module,
+    model,
     requests: list[Request],
     proposer,
     sampler: Sampler,
@@ -79,7 +79,7 @@ def batched_generate(
 ) -> list[Generation]:
     """Generate every request (in the batch-1 loop's distribution); returns Generations in request order.
 
-    `proposer` is a template: each request gets `proposer.clone()`. `scheduler` is a per-request stopping
+    `model`: the target's backend (decode/backend.py) or an HF causal LM. `proposer` is a template: each request gets `proposer.clone()`. `scheduler` is a per-request stopping
     rule; `load` replaces it with DSpark's batch-wide admission over calibrated survival."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency={max_concurrency}; it must be >= 1")

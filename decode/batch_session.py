@@ -14,13 +14,17 @@ leave (their row dropped) between steps.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+
+from decode.backend import as_backend
 
 
 class BatchedSession:
     """Append ragged rows of tokens to R sequences; keep a prefix of each row's new slots."""
 
-    def __init__(self, model: torch.nn.Module, feature_layers: tuple[int, ...] = (), pad_id: int = 0):
+    def __init__(self, model, feature_layers: tuple[int, ...] = (), pad_id: int = 0):
+        """`model`: a backend (decode/backend.py) or an HF causal LM (run by the reference backend)."""
+        self.backend = as_backend(model)
+        model = self.backend.model
         config = model.config
         attention = getattr(config, "_attn_implementation", None)
         if attention not in (None, "eager", "sdpa"):
@@ -31,7 +35,7 @@ class BatchedSession:
                              "row masks index); decode such targets one request at a time")
         self.model, self.feature_layers, self.pad_id = model, tuple(feature_layers), pad_id
         self.context_window = getattr(model.config, "max_position_embeddings", None)
-        self.cache: DynamicCache | None = None
+        self.cache = None  # the backend's cache over every row
         self.valid = torch.zeros((0, 0), dtype=torch.bool, device=model.device)  # (R, S)
         self.lengths: list[int] = []  # logical length (valid slots) per row
         self._pending: list[int] | None = None  # input lengths of the last forward, until `keep`
@@ -40,27 +44,20 @@ class BatchedSession:
     def rows(self) -> int:
         return len(self.lengths)
 
-    def _features(self, hidden_states) -> torch.Tensor | None:
-        if not self.feature_layers:
-            return None
-        return torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)  # (B, T, L*H)
-
     @torch.inference_mode()
     def add(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefill a new row alone (exactly as batch 1), then merge it in as the last row.
         Returns float32 logits of its last position (1, V) and its features (T, L*H)."""
         if self.context_window and len(token_ids) > self.context_window:
             raise ValueError(f"prompt of {len(token_ids)} tokens exceeds the model's context window ({self.context_window})")
-        cache = DynamicCache(config=self.model.config)
+        cache = self.backend.new_cache()
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=bool(self.feature_layers))
-        features = self._features(out.hidden_states)
+        logits, features = self.backend(input_ids, cache, logits_to_keep=1, feature_layers=self.feature_layers)
         self.add_cache(cache, len(token_ids))
-        return out.logits[0].float(), None if features is None else features[0]
+        return logits[0], None if features is None else features[0]
 
     @torch.inference_mode()
-    def add_cache(self, cache: DynamicCache, length: int) -> None:
+    def add_cache(self, cache, length: int) -> None:
         """Merge a batch-1 cache of `length` positions in as the last row."""
         if self.cache is None or self.rows == 0:
             self.cache = cache
@@ -117,11 +114,11 @@ class BatchedSession:
         # Every slot valid and rows alike: the model's own causal mask is the same mask, built cheaper
         # (one request always runs so; the parity test compares the two).
         mask = None if self._plain(rows) else row_mask(self.valid, new_valid, self.model.dtype)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=bool(self.feature_layers))
+        logits, features = self.backend(input_ids, self.cache, position_ids=position_ids, attention_mask=mask,
+                                        feature_layers=self.feature_layers)
         self.valid = torch.cat([self.valid, torch.zeros_like(new_valid)], dim=1)
         self._pending = [len(row) for row in rows]
-        return out.logits.float(), self._features(out.hidden_states)
+        return logits, features
 
     def _no_holes(self) -> bool:
         """Every slot valid in every row (a row's length counts its valid slots; no device sync)."""

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from decode.backend import build_backend  # noqa: E402
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
@@ -117,6 +118,7 @@ class BenchSetup:
     cfg: BenchConfig
     sampler: Sampler
     target: object
+    backend: object  # computes the target's forward for our loops (decode/backend.py); HF baselines use target.model
     proposer: object
     baseline_name: str | None
     baseline_kwargs: dict
@@ -135,7 +137,7 @@ class BenchSetup:
             return CostProfile(**json.loads(Path(cfg.scheduler.profile).read_text())), cfg.scheduler.profile, False
         block = self.proposer.max_draft or cfg.decode.num_draft
         sizes = sorted(set(cfg.bench.concurrency) | {1})
-        return load_or_measure(cfg.target.name_or_path, self.target.model, self.proposer, cfg.proposer.path, block,
+        return load_or_measure(cfg.target.name_or_path, self.backend, self.proposer, cfg.proposer.path, block,
                                sizes, cfg.scheduler.profile_context, contexts=cfg.scheduler.profile_contexts)
 
 
@@ -145,6 +147,7 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     if not prompts:
         raise ValueError(f"no prompts: data={cfg.data.name} from index {cfg.bench.first_prompt} is empty")
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads, cfg.target.device)
+    backend = build_backend(target.model, cfg.target.backend)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
     calibration = attach_calibration(cfg, proposer)
     strip_generation_defaults(target.model)
@@ -161,8 +164,8 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
                 f"it exceeds the target's context of {window} tokens; drop it or lower decode.max_new_tokens"
             )
         encoded.append(ids)
-    return BenchSetup(cfg, sampler, target, proposer, baseline_name, baseline_kwargs, prompts, encoded, stop, pad,
-                      calibration)
+    return BenchSetup(cfg, sampler, target, backend, proposer, baseline_name, baseline_kwargs, prompts, encoded, stop,
+                      pad, calibration)
 
 
 def attach_calibration(cfg: BenchConfig, proposer) -> str | None:
@@ -202,8 +205,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         profile, profile_path, measured = bench.profile()
         profile_info = {"path": str(profile_path), "measured_now": measured}
     scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold, profile, cfg.scheduler.max_skip)
-    session = CausalSession(target.model, proposer.feature_layers)
-    plain_session = CausalSession(target.model)  # plain decoding gathers no hidden states: its real cost
+    session = CausalSession(bench.backend, proposer.feature_layers)
+    plain_session = CausalSession(bench.backend)  # plain decoding gathers no hidden states: its real cost
     stop, pad, encoded = bench.stop, bench.pad, bench.encoded
 
     def run(kind: str, index: int, ids: list[int]) -> Generation:
@@ -217,7 +220,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             from decode.batch_generate import LoadPolicy, Request, batched_generate
 
             request = Request(ids, cfg.decode.max_new_tokens, generator)
-            return batched_generate(target.model, [request], proposer, sampler, cfg.decode.num_draft, stop, None,
+            return batched_generate(bench.backend, [request], proposer, sampler, cfg.decode.num_draft, stop, None,
                                     LoadPolicy(profile, scheduler), 1, pad)[0]
         if kind == "spec":
             return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, scheduler, generator)
@@ -229,11 +232,19 @@ def run_bench(cfg: BenchConfig) -> dict:
     kinds += [bench.baseline_name] if cfg.bench.baselines and bench.baseline_name else []
     results = run_interleaved(kinds, run, encoded, cfg.bench.repeats)
     summary = summarize(cfg, sampler, target, results, bench.baseline_name)
+    summary.update(target_report(bench))
     summary["calibration"] = bench.calibration
     summary["profile"] = profile_info
     summary.update(repeat_report(cfg, results))
     write_outputs(Path(cfg.out_dir), summary, bench.prompts, encoded, results["spec"], target.tokenizer)
     return summary
+
+
+def target_report(bench: BenchSetup) -> dict:
+    """What results.json records of how the target ran: its dtype (and why) and its backend."""
+    return {"target_dtype": {"dtype": str(bench.target.dtype).replace("torch.", ""), "requested": bench.cfg.target.dtype,
+                             "reason": bench.target.dtype_reason},
+            "target_backend": {"requested": bench.cfg.target.backend, **bench.backend.describe()}}
 
 
 def run_interleaved(kinds: list[str], run, encoded: list[list[int]], repeats: int = 1) -> dict[str, list[Generation]]:
@@ -366,12 +377,13 @@ register_configs()
 def main(config) -> None:
     cfg: BenchConfig = OmegaConf.to_object(config)
     summary = run_bench(cfg)
+    dtype, backend = summary["target_dtype"]["dtype"], summary["target_backend"]["name"]
     if cfg.bench.mode != "single":
-        print(f"\nspecdraft bench — mode {cfg.bench.mode}, {cfg.proposer.name} on {cfg.data.name}, {cfg.target.dtype}")
+        print(f"\nspecdraft bench — mode {cfg.bench.mode}, {cfg.proposer.name} on {cfg.data.name}, {dtype}, {backend} backend")
         print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
         print(f"  results: {Path(cfg.out_dir) / 'results.json'}")
         return
-    print(f"\nspecdraft bench — {cfg.proposer.name} on {cfg.data.name}, {cfg.target.dtype}, T={cfg.decode.temperature}")
+    print(f"\nspecdraft bench — {cfg.proposer.name} on {cfg.data.name}, {dtype}, {backend} backend, T={cfg.decode.temperature}")
     print(format_table(summary))
     print(f"  results: {Path(cfg.out_dir) / 'results.json'}")
 

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from decode.batch_generate import LoadPolicy, Request, batched_generate
-from decode.bench import _atomic_write, repeat_report, run_interleaved
+from decode.bench import _atomic_write, repeat_report, run_interleaved, target_report
 from decode.generate import speculative_generate
 from decode.metrics import acceptance_stats, timing_stats
 from decode.oracle import oracle_ceiling
@@ -37,6 +37,7 @@ def _config(bench) -> dict:
 
 
 def _write(bench, name: str, summary: dict) -> dict:
+    summary.update(target_report(bench))
     out = Path(bench.cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / name, json.dumps(summary, indent=2) + "\n")
@@ -56,8 +57,8 @@ def run_sweep(bench) -> dict:
         profile, path, measured = bench.profile()
         rules["cost"] = (block, CostRule(profile, max_skip=cfg.scheduler.max_skip))
         profile_info = {"path": str(path), "measured_now": measured}
-    session = CausalSession(bench.target.model, proposer.feature_layers)
-    plain_session = CausalSession(bench.target.model)  # plain decoding gathers no hidden states: its real cost
+    session = CausalSession(bench.backend, proposer.feature_layers)
+    plain_session = CausalSession(bench.backend)  # plain decoding gathers no hidden states: its real cost
 
     def run(kind, index, ids):
         generator = torch.Generator(device=bench.target.model.device).manual_seed(cfg.bench.seed + index)
@@ -100,7 +101,7 @@ def _closed_loop(bench, concurrency: int, proposer, num_draft: int, load: LoadPo
     requests = [Request(ids, cfg.decode.max_new_tokens, torch.Generator(device=device).manual_seed(cfg.bench.seed + i))
                 for i, ids in enumerate(bench.encoded)]
     start = time.perf_counter()
-    gens = batched_generate(bench.target.model, requests, proposer, bench.sampler, num_draft, bench.stop, None, load,
+    gens = batched_generate(bench.backend, requests, proposer, bench.sampler, num_draft, bench.stop, None, load,
                             concurrency, bench.pad)
     wall = time.perf_counter() - start
     tokens = sum(len(g.output_ids) for g in gens)
@@ -144,7 +145,7 @@ def run_load(bench) -> dict:
     num_draft = cfg.decode.num_draft
     # Warm-up: first-call allocations stay out of the first measurement.
     warm = Request(bench.encoded[0][:16], 4)
-    batched_generate(bench.target.model, [warm], bench.proposer, bench.sampler, num_draft, bench.stop, max_concurrency=1)
+    batched_generate(bench.backend, [warm], bench.proposer, bench.sampler, num_draft, bench.stop, max_concurrency=1)
     table = []
     for concurrency in tqdm(cfg.bench.concurrency, desc="concurrency", mininterval=5):
         row = {"concurrency": concurrency}
@@ -213,7 +214,7 @@ def run_calibrate(bench) -> dict:
     if len(bench.encoded) < 2:
         raise ValueError("bench.mode=calibrate needs at least 2 prompts (half fit the temperatures, half evaluate them)")
     block = proposer.max_draft
-    session = CausalSession(bench.target.model, proposer.feature_layers)
+    session = CausalSession(bench.backend, proposer.feature_layers)
     buckets = {}
     for temperature in cfg.calibrate.temperatures:
         name = "greedy" if temperature == 0 else "sampling"

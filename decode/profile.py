@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from decode.backend import as_backend
 from decode.batch_draft import propose_blocks
 from decode.batch_session import BatchedSession
 from decode.proposer import BlockDrafterProposer
@@ -122,6 +123,8 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "target": target_name,
         "target_config": hashlib.sha256(target_model.config.to_json_string().encode()).hexdigest()[:16],
         "attention": getattr(target_model.config, "_attn_implementation", None),
+        # The backend decides the verify curve (the fast one's is several times flatter): one profile each.
+        "backend": as_backend(target_model).describe(),
         "drafter": drafter,
         "block_size": block_size,
         "batch_sizes": list(batch_sizes),

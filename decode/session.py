@@ -1,26 +1,30 @@
 """A causal LM over one growing sequence with a KV cache that can be rolled back exactly.
 
 Used for the target (verify forwards) and for standalone drafters. Rolling back crops the
-cache to a prefix, so rejected drafted positions leave no trace in later forwards.
+cache to a prefix, so rejected drafted positions leave no trace in later forwards. The forward
+itself is a backend's (decode/backend.py): the HF model (the reference) or the fast twin.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+
+from decode.backend import as_backend
 
 
 class CausalSession:
     """Feed tokens to a causal LM incrementally; keep, and roll back, its KV cache."""
 
-    def __init__(self, model: torch.nn.Module, feature_layers: tuple[int, ...] = ()):
-        self.model = model
+    def __init__(self, model, feature_layers: tuple[int, ...] = ()):
+        """`model`: a backend (decode/backend.py) or an HF causal LM (run by the reference backend)."""
+        self.backend = as_backend(model)
+        self.model = self.backend.model
         self.feature_layers = tuple(feature_layers)
-        self.context_window = getattr(model.config, "max_position_embeddings", None)
+        self.context_window = getattr(self.model.config, "max_position_embeddings", None)
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self.backend.new_cache()
         self.length = 0
 
     @torch.inference_mode()
@@ -32,20 +36,10 @@ class CausalSession:
                 f"({self.context_window}); shorten the prompt or lower decode.max_new_tokens"
             )
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)  # (1, T)
-        out = self.model(
-            input_ids=input_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-            output_hidden_states=bool(self.feature_layers),
-        )
+        logits, features = self.backend(input_ids, self.cache, logits_to_keep=1 if last_only else 0,
+                                        feature_layers=self.feature_layers)
         self.length += len(token_ids)
-        features = None
-        if self.feature_layers:
-            # hidden_states[0] is the embedding output; index i is the output of decoder layer i-1,
-            # except the last index, which HF returns after the final norm.
-            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)  # (T, L*H)
-        return out.logits[0].float(), features  # (T, V)
+        return logits[0], None if features is None else features[0]  # (T, V), (T, L*H)
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` positions of the cache."""

@@ -59,6 +59,7 @@ def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> d
 def bench_one(target, proposers: dict, num_draft: dict, layers: tuple, data: str, temperature: float, num_prompts: int,
               max_new_tokens: int, seed: int) -> dict:
     """Plain decoding and every proposer on the same prompts, interleaved; statistics per method."""
+    from decode.backend import build_backend
     from decode.bench import eos_ids, run_interleaved
     from decode.generate import speculative_generate
     from decode.metrics import acceptance_stats, timing_stats
@@ -71,8 +72,9 @@ def bench_one(target, proposers: dict, num_draft: dict, layers: tuple, data: str
     prompts = load_prompts(data, None, num_prompts)
     encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
     stop = eos_ids(target)
-    session = CausalSession(target.model, layers)
-    plain_session = CausalSession(target.model)  # plain decoding gathers no hidden states
+    backend = build_backend(target.model)  # target.backend=auto: the fast twin where it runs exactly
+    session = CausalSession(backend, layers)
+    plain_session = CausalSession(backend)  # plain decoding gathers no hidden states
 
     def run(kind: str, index: int, ids: list[int]):
         generator = torch.Generator().manual_seed(seed + index)
@@ -128,7 +130,7 @@ def main() -> None:
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", help="target dtype of the speed benchmark")
+    parser.add_argument("--dtype", default="auto", help="target dtype of the speed benchmark (auto: bf16 where native)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("overrides", nargs="*", help="extra distill overrides, after --")

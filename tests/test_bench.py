@@ -40,6 +40,10 @@ def test_bench_writes_contract(tiny_model_dir, prompts_file, tmp_path, proposer)
     assert results["lossless"] is True and results["match_rate"] == 1.0
     assert results["tau"] >= 1.0 and results["num_prompts"] == 2
     assert results["config"]["decode"]["num_draft"] == 3
+    # How the target ran: the fast backend by default (a tiny Llama in fp32 is supported), and the dtype's reason.
+    assert results["target_backend"]["requested"] == "auto" and results["target_backend"]["name"] == "fast"
+    assert results["target_dtype"] == {"dtype": "float32", "requested": "float32",
+                                       "reason": "target.dtype=float32 as configured"}
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [s["id"] for s in samples] == ["a", "prompts-2"]
     for sample in samples:

@@ -56,3 +56,19 @@ def test_profiles_of_machines_that_differ_only_in_bf16_kernels_do_not_share_a_fi
         fingerprints.append(profile.machine_fingerprint())
     assert fingerprints[0]["cpu"] == fingerprints[1]["cpu"] and fingerprints[0] != fingerprints[1]
     assert fingerprints[0]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch, tiny_model_dir, capsys):
+    monkeypatch.setattr(target, "native_bf16", lambda: True)
+    dtype, reason = target.choose_dtype("auto", CPU)
+    assert dtype == torch.bfloat16 and "natively" in reason and "target.dtype=float32" in reason
+    for native in (False, None):  # emulated, or torch cannot say: the exact, fast-here dtype
+        monkeypatch.setattr(target, "native_bf16", lambda native=native: native)
+        dtype, reason = target.choose_dtype("auto", CPU)
+        assert dtype == torch.float32 and "not native" in reason
+    assert target.choose_dtype("bfloat16", CPU) == (torch.bfloat16, "target.dtype=bfloat16 as configured")
+    loaded = target.load_target(tiny_model_dir, "auto")
+    assert loaded.dtype == torch.float32 and loaded.dtype_reason == reason
+    assert "specdraft: target.dtype=auto" in capsys.readouterr().out and "float32" in reason
+    with pytest.raises(ValueError, match="choose one of"):
+        target.choose_dtype("fp8", CPU)

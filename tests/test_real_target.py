@@ -38,3 +38,40 @@ def test_chat_template_and_coherent_answer(smollm2):
     ids = chat_prompt_ids(smollm2.tokenizer, "What is the capital of France?")
     got = speculative_generate(CausalSession(smollm2.model), ids, NgramProposer(), Sampler(), 20, 4, eos_ids(smollm2))
     assert "Paris" in smollm2.tokenizer.decode(got.output_ids)
+
+
+def test_fast_backend_matches_hf_on_the_real_target(smollm2):
+    """Logits on real prompts (prefill and 1-16-token steps) as close to exact (a float64 forward) as the HF
+    model's own float32 forward is, and within 2e-4 of it (its own distance to float64 reaches 1e-4: both
+    are fp32 roundings of the same sums in other orders); greedy tokens equal to HF generate's with every
+    proposer, batch-1 and batched."""
+    import copy
+
+    from decode.backend import HFBackend
+    from decode.batch_generate import Request, batched_generate
+    from decode.fast_target import FastTarget
+
+    fast, ref = FastTarget(smollm2.model), HFBackend(smollm2.model)
+    exact = HFBackend(copy.deepcopy(smollm2.model).double())
+    sampler, stop = Sampler(), eos_ids(smollm2)
+    prompts = [chat_prompt_ids(smollm2.tokenizer, item["prompt"]) for item in load_prompts("mtbench", num_prompts=4)]
+    for ids in prompts[:2]:
+        caches = fast.new_cache(), ref.new_cache(), exact.new_cache()
+        for chunk in [ids] + [ids[i : i + n] for i, n in zip(range(0, 40, 8), (1, 2, 4, 8, 16))]:
+            tokens = torch.tensor([chunk])
+            got, got_f = fast(tokens, caches[0], feature_layers=(4, 30))
+            want, want_f = ref(tokens, caches[1], feature_layers=(4, 30))
+            truth = exact(tokens, caches[2])[0].double()  # its float32 cast adds under 4e-6 at these magnitudes
+            hf_error = float((want.double() - truth).abs().max())
+            assert float((got.double() - truth).abs().max()) <= 2.5 * hf_error + 1e-5
+            assert float((got - want).abs().max()) <= 2e-4
+            torch.testing.assert_close(got_f, want_f, rtol=1e-5, atol=1e-4)
+    session = CausalSession(fast)
+    drafters = {"ngram": NgramProposer(), "model": load_model_proposer(smollm2.path, 4, smollm2)[0]}
+    for ids in prompts:
+        expected = hf_generate(smollm2.model, ids, sampler, 32, stop, stop[0]).output_ids
+        for name, proposer in drafters.items():
+            assert speculative_generate(session, ids, proposer, sampler, 32, 4, stop).output_ids == expected, name
+    requests = [Request(ids, 32) for ids in prompts]
+    for gen, ids in zip(batched_generate(fast, requests, NgramProposer(), sampler, 4, stop, max_concurrency=4), prompts):
+        assert gen.output_ids == hf_generate(smollm2.model, ids, sampler, 32, stop, stop[0]).output_ids

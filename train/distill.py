@@ -50,7 +50,7 @@ from train.export import save_drafter  # noqa: E402
 from train.feature_cache import FeatureCache, cache_fingerprint, read_manifest, write_manifest, write_shards  # noqa: E402
 from train.regenerate import regenerate  # noqa: E402
 from train.regenerate_server import read_all_done, regenerate_via_server  # noqa: E402
-from train.target import default_feature_layers, load_target, target_features  # noqa: E402
+from train.target import choose_dtype, default_feature_layers, load_target, resolve_device, target_features  # noqa: E402
 from train.trainer import data_fingerprint, make_batch, start_tracking, train  # noqa: E402
 
 
@@ -61,7 +61,7 @@ class ValidateConfig:
     num_prompts: int = 3  # 0 skips validation (results then hold null for its fields)
     max_new_tokens: int = 64
     num_draft: int | None = None  # None: block_size
-    speed_dtype: str = "bfloat16"
+    speed_dtype: str = "auto"  # the speed pass's target.dtype (auto: bfloat16 only where it is native)
 
 
 @dataclass
@@ -181,7 +181,8 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
 
     def bench(dtype: str, name: str) -> dict:
         bench_cfg = BenchConfig(
-            target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads, cfg.target.device),
+            target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads, cfg.target.device,
+                                backend=cfg.target.backend),
             proposer=ProposerConfig(name="model" if cfg.drafter.mode == "standalone" else "drafter", path=str(export)),
             data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
             decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
@@ -191,7 +192,8 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
         return run_bench(bench_cfg)
 
     exact = bench("float32", "exactness")
-    speed = exact if cfg.validate.speed_dtype == "float32" else bench(cfg.validate.speed_dtype, "speed")
+    speed_dtype, _ = choose_dtype(cfg.validate.speed_dtype, resolve_device(cfg.target.device))
+    speed = exact if speed_dtype == torch.float32 else bench(cfg.validate.speed_dtype, "speed")
     return {"lossless": exact["lossless"], "tau": speed["tau"], "speedup_vs_plain": speed["speedup_vs_plain"],
             "match_rate": speed["match_rate"], "tau_float32": exact["tau"], "acceptance_by_position": speed["acceptance_by_position"]}
 

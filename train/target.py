@@ -36,6 +36,7 @@ class Target:
     tokenizer: object
     path: str
     dtype: torch.dtype
+    dtype_reason: str = ""  # why this dtype (target.dtype=auto decides by the hardware)
 
 
 def cache_root() -> Path:
@@ -49,6 +50,23 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"target.dtype={name!r} is not supported; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The torch dtype for `target.dtype=name` on `device`, and the reason. `auto` takes bfloat16 only where
+    it is native (a GPU with bf16; a CPU with oneDNN bf16 kernels, i.e. AVX512-BF16/AMX or ARM's bf16), else
+    float32: emulated bf16 costs several times fp32 per token on a CPU, and float32 is the exact dtype."""
+    if name != "auto":
+        return parse_dtype(name), f"target.dtype={name} as configured"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "target.dtype=auto: this GPU computes bfloat16 natively"
+        return torch.float32, "target.dtype=auto: this GPU has no native bfloat16"
+    if device.type == "cpu" and native_bf16():
+        return torch.bfloat16, (f"target.dtype=auto: this CPU runs bfloat16 natively (oneDNN bf16 kernels, torch "
+                                f"capability {torch.backends.cpu.get_cpu_capability()}); target.dtype=float32 for exactness")
+    return torch.float32, (f"target.dtype=auto: bfloat16 is not native on this {device.type} (no oneDNN bf16 kernels), "
+                           "so float32, which is faster here and exact")
 
 
 def _gguf_file(alias: str) -> Path:
@@ -114,22 +132,25 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
-def load_target(name_or_path: str, dtype: str = "bfloat16", threads: int | None = None, device: str = "cpu") -> Target:
-    """Load a frozen causal LM and its tokenizer (alias, folder, or hub id) in eval mode, on `device`."""
+def load_target(name_or_path: str, dtype: str = "auto", threads: int | None = None, device: str = "cpu") -> Target:
+    """Load a frozen causal LM and its tokenizer (alias, folder, or hub id) in eval mode, on `device`.
+    `dtype=auto` decides by the hardware (choose_dtype) and prints the decision."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    torch_dtype = parse_dtype(dtype)
-    path = resolve_target_path(name_or_path)
     place = resolve_device(device)
+    torch_dtype, reason = choose_dtype(dtype, place)
+    if dtype == "auto":
+        print(f"specdraft: {reason}: {str(torch_dtype).replace('torch.', '')}", flush=True)
+    path = resolve_target_path(name_or_path)
     message = bf16_warning(torch_dtype, place, native_bf16(), platform.machine())
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(place)
     model.eval().requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
+    return Target(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype, dtype_reason=reason)
 
 
 def default_feature_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
