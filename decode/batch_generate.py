@@ -98,7 +98,7 @@ def batched_generate(
     # scheduler=load admits batch-wide, so it backs off batch-wide too: after a step that admitted nothing,
     # nobody drafts for 1, 2, 4, ... steps, and requests that join inherit that state. Per-request
     # backoffs would probe out of phase, so under load nearly every step would pay a batched probe.
-    engine_backoff = make_backoff(load.rule) if load is not None else None
+    engine_backoff = make_backoff(load.rule, proposer) if load is not None else None
 
     while queue or active:
         while queue and len(active) < max_concurrency:  # join: prefill alone, merge as the last row
@@ -110,7 +110,7 @@ def batched_generate(
                            Generation(output_ids=[first]), started)
             item.result.ttft_s = time.perf_counter() - started
             item.proposer.start(list(item.context), features)
-            item.backoff = make_backoff(rule) if load is None else None
+            item.backoff = make_backoff(rule, proposer) if load is None else None
             item.done = first in eos or request.max_new_tokens == 1
             active.append(item)
         finished = [i for i, item in enumerate(active) if item.done]

@@ -45,7 +45,7 @@ def build_proposer(cfg: BenchConfig, target):
     """The configured proposer, the name of the matching HF baseline and its `generate` kwargs."""
     name = cfg.proposer.name
     if name == "ngram":
-        proposer = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram)
+        proposer = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram, share_stats=cfg.proposer.share_stats)
         # HF's lookup takes the leftmost match and has no minimum size; ours takes the most recent one.
         hf = {"prompt_lookup_num_tokens": cfg.decode.num_draft, "max_matching_ngram_size": cfg.proposer.max_ngram}
         return proposer, "hf_prompt_lookup", hf
@@ -143,7 +143,7 @@ class BenchSetup:
 
 def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     sampler = sampler or Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
-    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt)
+    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt, cfg.data.categories)
     if not prompts:
         raise ValueError(f"no prompts: data={cfg.data.name} from index {cfg.bench.first_prompt} is empty")
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads, cfg.target.device)

@@ -24,7 +24,7 @@ from decode.bench import _atomic_write, repeat_report, run_interleaved, target_r
 from decode.generate import speculative_generate
 from decode.metrics import acceptance_stats, timing_stats
 from decode.oracle import oracle_ceiling
-from decode.proposer import NoProposer
+from decode.proposer import NoProposer, gives_confidence
 from decode.sampling import Sampler
 from decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
 from decode.session import CausalSession
@@ -50,7 +50,7 @@ def run_sweep(bench) -> dict:
     block = proposer.max_draft or cfg.decode.num_draft
     lengths = cfg.bench.sweep_lengths or list(range(1, block + 1))
     rules = {f"fixed_{k}": (k, FixedRule()) for k in lengths}
-    has_confidence = getattr(getattr(proposer, "drafter", None), "confidence_head", None) is not None
+    has_confidence = gives_confidence(proposer)
     profile_info = None
     if has_confidence:
         rules.update({f"threshold_{t:g}": (block, ThresholdRule(t)) for t in cfg.bench.sweep_thresholds})

@@ -18,6 +18,9 @@ class ProposerConfig:
     name: str = "ngram"
     max_ngram: int = 3  # ngram: longest suffix to match
     min_ngram: int = 1  # ngram: shortest suffix to match
+    # ngram: learn its confidences from every request of the run (true) or from each request alone (false:
+    # a request's verify lengths, and so its sampled tokens at T > 0, do not depend on other requests)
+    share_stats: bool = True
     path: str | None = None  # model: a causal LM with the target's tokenizer (None: the target itself); drafter: an export
     num_layers: int | None = None  # model: keep only the first k decoder layers (None: all)
 
@@ -28,6 +31,7 @@ class DataConfig:
 
     name: str = "mtbench"
     path: str | None = None
+    categories: list[str] | None = None  # only prompts of these categories (MT-bench: coding, math, extraction, ...)
 
 
 @dataclass

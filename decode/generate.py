@@ -75,7 +75,7 @@ def speculative_generate(
     result = Generation(output_ids=[first], ttft_s=time.perf_counter() - start)
     context = list(prompt_ids) + [first]
     proposer.start(list(context), features)  # features cover the prompt; context adds the pending token
-    backoff = make_backoff(scheduler)
+    backoff = make_backoff(scheduler, proposer)
 
     while first not in eos_ids and len(result.output_ids) < max_new_tokens:
         room = max_new_tokens - len(result.output_ids)

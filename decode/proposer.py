@@ -51,6 +51,13 @@ class Proposer(Protocol):
     def clone(self) -> "Proposer": ...  # same weights, own state: one per concurrent request
 
 
+def gives_confidence(proposer) -> bool:
+    """Whether a proposer's proposals carry confidences (what threshold/cost/load schedulers read)."""
+    if isinstance(proposer, NgramProposer):
+        return True
+    return getattr(getattr(proposer, "drafter", None), "confidence_head", None) is not None
+
+
 class NoProposer:
     """Drafts nothing: the loop becomes plain one-token-per-step decoding."""
 
@@ -70,39 +77,116 @@ class NoProposer:
         pass
 
 
-def ngram_lookup(context_ids: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of the context's last n tokens."""
+def ngram_match(context_ids: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
+    """The longest suffix of the context (at most `max_ngram` tokens, at least `min_ngram`) that occurred
+    earlier, and the tokens that followed its most recent such occurrence: (match length, continuation).
+    (0, []) when no suffix of `min_ngram` tokens recurs."""
     length = len(context_ids)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = context_ids[length - n :]
-        # Scan right to left: recent repetitions predict the continuation best.
-        for start in range(length - n - 1, -1, -1):
-            if context_ids[start : start + n] == suffix:
-                return context_ids[start + n : start + n + num_draft]
-    return []
+    if length < 2:
+        return 0, []
+    last, best, start = context_ids[-1], 0, -1
+    # Candidates end where the last token occurred before, most recent first (recent repetitions predict
+    # the continuation best); each is extended backwards while it matches the context's suffix.
+    for end in range(length - 2, -1, -1):
+        if context_ids[end] != last:
+            continue
+        n = 1
+        while n < max_ngram and end - n >= 0 and context_ids[end - n] == context_ids[length - 1 - n]:
+            n += 1
+        if n > best:
+            best, start = n, end + 1
+            if n == max_ngram:
+                break
+    if best < min_ngram:
+        return 0, []
+    return best, context_ids[start : start + num_draft]
+
+
+def ngram_lookup(context_ids: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Tokens that followed the most recent earlier occurrence of the context's longest recurring suffix."""
+    return ngram_match(context_ids, num_draft, max_ngram, min_ngram)[1]
+
+
+class SurvivalStats:
+    """Online estimate of a deterministic proposer's confidences: c_j = P(drafted position j is accepted |
+    positions < j were), per match length, from the steps verified so far (a Beta(1, 1) prior, so an
+    unseen position starts at 0.5). Shared by a proposer and its clones: every request of a process
+    teaches it. A step's confidences come from earlier steps only, so schedulers that read them stay
+    stopping rules (decode/scheduler.py): the verified set never depends on the tokens being verified."""
+
+    def __init__(self, buckets: int, positions: int = 16):
+        self.tries = [[0] * positions for _ in range(buckets + 1)]
+        self.hits = [[0] * positions for _ in range(buckets + 1)]
+
+    def confidences(self, bucket: int, length: int) -> torch.Tensor:
+        """c_1..c_length for a proposal from a match of `bucket` tokens (positions past the tracked ones
+        share the last one's estimate)."""
+        tries, hits = self.tries[bucket], self.hits[bucket]
+        last = len(tries) - 1
+        return torch.tensor([(hits[min(j, last)] + 1) / (tries[min(j, last)] + 2) for j in range(length)])
+
+    def observe(self, bucket: int, verified: int, accepted: int) -> None:
+        """A verified step: positions 1..min(accepted + 1, verified) were tried, the first `accepted` kept."""
+        tries, hits = self.tries[bucket], self.hits[bucket]
+        for j in range(min(accepted + 1, verified)):
+            tries[min(j, len(tries) - 1)] += 1
+            hits[min(j, len(tries) - 1)] += j < accepted
 
 
 class NgramProposer:
-    """Training-free prompt lookup: propose what followed the last matching n-gram."""
+    """Training-free prompt lookup: propose what followed the longest recurring suffix of the context.
+
+    Each proposal carries confidences (SurvivalStats, by match length) learned from the steps verified so
+    far, so the threshold and cost schedulers can cut it: a long match is worth verifying far ahead on a
+    flat verify curve, a one-token match rarely is. Drafting costs nothing next to a verify step, so no
+    scheduler backs off from it (`cheap`). `share_stats`: every request of the process teaches one estimate
+    (the default: a server learns from its traffic); False: each request learns alone from the prior, so a
+    request's verify lengths, hence at T > 0 its sampled tokens (never their distribution), do not depend
+    on which requests ran before or beside it."""
 
     feature_layers = ()
+    cheap = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int | None = None):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int | None = None,
+                 share_stats: bool = True, stats: SurvivalStats | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= proposer.min_ngram ({min_ngram}) <= proposer.max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
+        self.share_stats = share_stats
+        self.stats = stats or SurvivalStats(max_ngram)
+        self.pending: tuple[int, int, int] | None = None  # (context length, match length, tokens) of the last proposal
 
     def clone(self):
-        return self  # stateless: the context is passed in every call
+        """One per concurrent request: its own pending step; the statistics shared unless share_stats=False."""
+        return NgramProposer(self.max_ngram, self.min_ngram, self.max_draft, self.share_stats,
+                             self.stats if self.share_stats else None)
 
     def start(self, context_ids, features):
-        pass
+        self.pending = None
+        if not self.share_stats:
+            self.stats = SurvivalStats(self.max_ngram)
 
     def propose(self, context_ids, num_draft, sampler, generator, rule=None):
-        return Proposal(ngram_lookup(context_ids, num_draft, self.max_ngram, self.min_ngram))
+        self.pending = None
+        matched, tokens = ngram_match(context_ids, num_draft, self.max_ngram, self.min_ngram)
+        if not tokens:
+            return Proposal([])
+        confidence = self.stats.confidences(matched, len(tokens))
+        keep = len(tokens)
+        if rule is not None:  # cut here, so what is remembered is what gets verified
+            values = confidence.tolist()
+            keep = next((j for j in range(len(values)) if not rule.verify(values[: j + 1])), len(values))
+        self.pending = (len(context_ids), matched, keep)
+        return Proposal(tokens[:keep], confidence=confidence[:keep])
 
     def commit(self, context_ids, features):
-        pass
+        # The step kept its accepted drafts and the target's own token: accepted = new tokens - 1. (Under
+        # scheduler=load, admission may cut a proposal after propose(); a cut then counts as a rejection.)
+        if self.pending is not None:
+            length, matched, drafted = self.pending
+            if drafted:
+                self.stats.observe(matched, drafted, len(context_ids) - length - 1)
+        self.pending = None
 
 
 def common_prefix_length(a: list[int], b: list[int], start: int = 0) -> int:

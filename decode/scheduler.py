@@ -110,10 +110,11 @@ def worth_drafting(rule, limit: int) -> bool:
     return limit > 0 and (not hasattr(rule, "can_pay") or rule.can_pay(limit))
 
 
-def make_backoff(rule) -> Backoff | None:
-    """One per request, for rules that ask for it (max_skip > 0)."""
+def make_backoff(rule, proposer=None) -> Backoff | None:
+    """One per request, for rules that ask for it (max_skip > 0). None for a proposer whose drafting costs
+    nothing next to a verify step (`cheap`: prompt lookup): skipping it would save nothing and miss matches."""
     max_skip = getattr(rule, "max_skip", 0)
-    return Backoff(max_skip) if max_skip else None
+    return Backoff(max_skip) if max_skip and not getattr(proposer, "cheap", False) else None
 
 
 class CostRule:
@@ -163,7 +164,7 @@ def cut(proposal: Proposal, rule) -> int:
     if proposal.confidence is None and rule.needs_confidence:
         raise ValueError(
             f"this scheduler ({type(rule).__name__}) needs a proposer with a confidence head "
-            "(proposer=drafter with a dspark export); use scheduler=fixed otherwise"
+            "(proposer=ngram, or proposer=drafter with a dspark export); use scheduler=fixed otherwise"
         )
     # Without a confidence head every position counts as c = 1 for rules that do not need it.
     values = proposal.confidence.tolist() if proposal.confidence is not None else [1.0] * len(proposal.tokens)

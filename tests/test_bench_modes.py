@@ -104,6 +104,6 @@ def test_unknown_mode_and_missing_confidence_head_are_refused(tiny_model_dir, pr
                          "bench.load_repeats=0"))
     with pytest.raises(ValueError, match="bench.mode='fast'"):
         run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=ngram", "bench.mode=fast"))
-    with pytest.raises(ValueError, match="confidence head"):
-        run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=ngram", "scheduler=threshold",
-                         "bench.num_prompts=1"))
+    with pytest.raises(ValueError, match="confidence head"):  # a standalone LM drafts without confidences
+        run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=model", "proposer.num_layers=1",
+                         "scheduler=threshold", "bench.num_prompts=1"))

@@ -64,7 +64,7 @@ def first_user_turn(record: dict) -> str | None:
 
 def _mtbench_prompts() -> list[dict]:
     rows = [json.loads(line) for line in package_file(*MTBENCH).read_text().splitlines() if line.strip()]
-    return [{"id": f"mtbench-{row['question_id']}", "prompt": row["turns"][0]} for row in rows]
+    return [{"id": f"mtbench-{row['question_id']}", "prompt": row["turns"][0], "category": row["category"]} for row in rows]
 
 
 def _sharegpt_heldout_prompts() -> list[dict]:
@@ -91,14 +91,17 @@ def read_jsonl_prompts(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number} is not JSONL ({err.msg}); each line must be a JSON object like {{\"prompt\": \"...\"}}") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{number} has no string field 'prompt'; each line must be like {{\"prompt\": \"...\", \"id\": \"optional\"}}")
-        prompts.append({"id": str(row.get("id", f"{path.stem}-{number}")), "prompt": row["prompt"]})
+        prompts.append({"id": str(row.get("id", f"{path.stem}-{number}")), "prompt": row["prompt"],
+                        **({"category": str(row["category"])} if "category" in row else {})})
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
 
 
-def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None, first: int = 0) -> list[dict]:
-    """Benchmark prompts `[{id, prompt}]` from a named source: `num_prompts` in file order from index `first`."""
+def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None, first: int = 0,
+                 categories: list[str] | None = None) -> list[dict]:
+    """Benchmark prompts `[{id, prompt}]` from a named source: `num_prompts` in file order from index `first`,
+    of the given `categories` only (prompts that carry one: MT-bench's, or a jsonl's "category" field)."""
     if source == "mtbench":
         prompts = _mtbench_prompts()
     elif source == "sharegpt_heldout":
@@ -109,6 +112,12 @@ def load_prompts(source: str, path: str | None = None, num_prompts: int | None =
         prompts = read_jsonl_prompts(path)
     else:
         raise ValueError(f"unknown data source {source!r}; choose one of {list(PROMPT_SOURCES)}")
+    if categories:
+        known = sorted({p["category"] for p in prompts if "category" in p})
+        unknown = sorted(set(categories) - set(known))
+        if unknown:
+            raise ValueError(f"data.categories {unknown} do not occur in data={source}; its categories are {known}")
+        prompts = [p for p in prompts if p.get("category") in set(categories)]
     prompts = prompts[first:]
     return prompts if num_prompts is None else prompts[:num_prompts]
 

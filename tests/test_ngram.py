@@ -1,0 +1,97 @@
+"""Prompt lookup: the longest recurring suffix, confidences learned from verified steps, and schedulers
+that cut its proposals while decoding stays equal to target-only decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decode.generate import speculative_generate
+from decode.proposer import NgramProposer, SurvivalStats, ngram_match
+from decode.sampling import Sampler
+from decode.scheduler import CostRule, ThresholdRule
+from decode.session import CausalSession
+from tests.conftest import hf_greedy
+from tests.test_batch import EOS, LIMITS, PROMPTS, batch1, batched, synthetic_profile
+
+
+def reference_match(context, num_draft, max_ngram, min_ngram):
+    """The definition, written plainly: for n from longest to shortest, the most recent earlier occurrence."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = context[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if context[start : start + n] == suffix:
+                return n, context[start + n : start + n + num_draft]
+    return 0, []
+
+
+def test_match_equals_the_plain_definition_on_random_contexts():
+    rng = random.Random(0)
+    for _ in range(2000):
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        max_ngram = rng.randrange(1, 7)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        num_draft = rng.randrange(1, 9)
+        assert ngram_match(context, num_draft, max_ngram, min_ngram) == reference_match(context, num_draft, max_ngram, min_ngram)
+
+
+def test_survival_stats_learn_per_match_length():
+    stats = SurvivalStats(buckets=3, positions=4)
+    assert stats.confidences(2, 3).tolist() == [0.5, 0.5, 0.5]  # the prior
+    stats.observe(2, verified=4, accepted=1)  # position 1 kept, position 2 rejected, 3-4 never tried
+    stats.observe(2, verified=2, accepted=2)  # both verified positions kept
+    assert stats.confidences(2, 4).tolist() == pytest.approx([3 / 4, 2 / 4, 0.5, 0.5])
+    assert stats.confidences(1, 1).tolist() == [0.5]  # other match lengths untouched
+    stats.observe(3, verified=6, accepted=6)  # positions past the tracked ones share the last estimate
+    assert stats.confidences(3, 6).tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 4 / 5, 4 / 5, 4 / 5])
+
+
+def test_proposer_learns_from_what_the_loop_kept(target_model):
+    proposer = NgramProposer(max_ngram=3)
+    session = CausalSession(target_model)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    speculative_generate(session, prompt, proposer, Sampler(), 20, 4)
+    assert sum(map(sum, proposer.stats.tries)) > 0
+    # Clones share what was learned; each keeps its own pending step.
+    clone = proposer.clone()
+    assert clone.stats is proposer.stats and clone.pending is None
+
+
+def test_a_rule_cuts_inside_propose_and_only_verified_positions_are_counted():
+    proposer = NgramProposer(max_ngram=2)
+    context = [1, 2, 3, 4, 1, 2]
+    proposal = proposer.propose(context, 4, Sampler(), None, ThresholdRule(0.6))  # prior 0.5 < 0.6: nothing
+    assert proposal.tokens == [] and proposer.pending == (6, 2, 0)
+    proposal = proposer.propose(context, 4, Sampler(), None, None)
+    assert proposal.tokens == [3, 4, 1, 2] and proposal.confidence.tolist() == [0.5] * 4
+    proposer.commit(context + [3, 4, 9], None)  # two drafts accepted, then the target's own token
+    assert proposer.stats.tries[2][:4] == [1, 1, 1, 0] and proposer.stats.hits[2][:4] == [1, 1, 0, 0]
+
+
+RULES = {"threshold": ThresholdRule(0.4), "cost": CostRule(synthetic_profile(per_token=0.001))}
+
+
+@pytest.mark.parametrize("rule", list(RULES.values()), ids=list(RULES))
+@pytest.mark.parametrize("sampler", [Sampler(), Sampler(temperature=1.0)], ids=["greedy", "T1"])
+def test_schedulers_on_prompt_lookup_keep_decoding_exact(target_model, rule, sampler):
+    # Per-request statistics: batched requests then cut exactly where they do alone, so the same generators
+    # draw the same tokens (shared statistics would differ by the order requests teach them, at T > 0).
+    proposer = NgramProposer(max_ngram=3, share_stats=False)
+    expected = batch1(target_model, proposer, sampler, 6, rule)
+    assert batched(target_model, proposer, sampler, 6, rule)[0] == expected
+    if sampler.greedy:
+        shared = NgramProposer(max_ngram=3)  # shared statistics: other cuts, the same greedy tokens
+        assert batched(target_model, shared, sampler, 6, rule)[0] == expected
+        for prompt, limit, out in zip(PROMPTS, LIMITS, expected):
+            assert out == hf_greedy(target_model, prompt, limit, EOS)
+
+
+def test_no_backoff_for_prompt_lookup(target_model):
+    """A step the cost rule declines (or one without a match) costs nothing to try again next step."""
+    from decode.scheduler import make_backoff
+
+    rule = CostRule(synthetic_profile(), max_skip=8)
+    assert make_backoff(rule, NgramProposer()) is None and make_backoff(rule, object()) is not None
