@@ -21,7 +21,7 @@ import torch
 from decode.batch_draft import can_batch, propose_blocks
 from decode.batch_session import BatchedSession
 from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
-from decode.proposer import Proposal
+from decode.proposer import NoProposer, Proposal
 from decode.sampling import Sampler
 from decode.scheduler import (FixedRule, at, backoff_count, can_pay, cut, load_admits_any, load_pays, load_schedule, make_backoff,
                               worth_drafting)
@@ -232,3 +232,14 @@ def _admit(active: list[_Active], load: LoadPolicy) -> int:
         item.proposal = item.proposal.truncate(length)
     load.admitted.append(sum(lengths))
     return sum(lengths) if load_pays(survival, lengths, draft_s, load.verify_s) else 0
+
+
+def generate_plain(backend, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_token_ids,
+                   seed: int = 0, max_concurrency: int = 16) -> list[list[int]]:
+    """Target-only decoding of many prompts with continuous batching (the regeneration stage's generator):
+    rows join as others finish, each sampled with its own generator (seed + index); greedy at temperature 0."""
+    sampler = Sampler(temperature)
+    requests = [Request(list(ids), max_new_tokens, torch.Generator(device=backend.device).manual_seed(seed + i))
+                for i, ids in enumerate(prompts)]
+    gens = batched_generate(backend, requests, NoProposer(), sampler, 0, eos_token_ids, max_concurrency=max_concurrency)
+    return [gen.output_ids for gen in gens]

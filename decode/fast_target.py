@@ -134,36 +134,48 @@ class KVLayer:
     """One layer's keys and values (B, heads, capacity, D), of which the first `length` slots are in use.
 
     `keys`/`values` are views of the used slots; assigning them (the batched session concatenates, indexes
-    and gathers rows) replaces the buffers, which grow again on the next append."""
+    and gathers rows) replaces the buffers, which grow again on the next append. Each view keeps its own
+    length until the next append: the session assigns keys, then reads values to build theirs."""
 
     def __init__(self):
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
-        self.length = 0
+        self._key_length = self._value_length = 0
+
+    @property
+    def length(self) -> int:
+        return self._key_length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._key_length = self._value_length = value
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._keys[:, :, : self.length]
+        return self._keys[:, :, : self._key_length]
 
     @keys.setter
     def keys(self, tensor: torch.Tensor) -> None:
-        self._keys, self.length = tensor, tensor.shape[2]
+        self._keys, self._key_length = tensor, tensor.shape[2]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._values[:, :, : self.length]
+        return self._values[:, :, : self._value_length]
 
     @values.setter
     def values(self, tensor: torch.Tensor) -> None:
-        self._values = tensor
+        self._values, self._value_length = tensor, tensor.shape[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, heads, T, D) new slots after the used ones; return every used slot."""
-        end = self.length + keys.shape[2]
-        if self._keys is None or end > self._keys.shape[2]:
+        if self._key_length != self._value_length:
+            raise RuntimeError(f"keys hold {self._key_length} slots but values {self._value_length}; assign both")
+        start = self.length
+        end = start + keys.shape[2]
+        if self._keys is None or end > self._keys.shape[2] or end > self._values.shape[2]:
             self._grow(keys, end)
-        self._keys[:, :, self.length : end] = keys
-        self._values[:, :, self.length : end] = values
+        self._keys[:, :, start:end] = keys
+        self._values[:, :, start:end] = values
         self.length = end
         return self.keys, self.values
 

@@ -190,3 +190,23 @@ def test_auto_takes_the_fast_backend_where_it_is_exact(monkeypatch):
     assert "sliding-window" in fast_unavailable(windowed)
     with pytest.raises(Unsupported, match="sliding-window"):
         build_backend(windowed, "fast")
+
+
+def test_merging_rows_never_reads_a_buffer_past_its_used_slots():
+    """Regression: the batched session assigns a layer's keys, then reads its values to pad them. The values
+    view once took the keys' new length and read the buffer's unused (uninitialized) capacity: NaN there
+    made a whole row's logits NaN, now and then. Unused capacity is filled with NaN here to make it certain."""
+    model = tiny_llama(0)
+    session, reference = BatchedSession(FastTarget(model)), BatchedSession(model)
+    for row in ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14], [15, 16]):
+        for s in (session, reference):
+            s.add(row)
+        with torch.inference_mode():
+            for layer in session.cache.layers:  # poison every slot past the used ones
+                layer._keys[:, :, layer.length :] = float("nan")
+                layer._values[:, :, layer.length :] = float("nan")
+    for mine, theirs in zip(session.cache.layers, reference.cache.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=ATOL, rtol=0)  # a NaN fails too
+        torch.testing.assert_close(mine.values, theirs.values, atol=ATOL, rtol=0)
+    (got, _), (want, _) = session.forward([[3], [4], [5]]), reference.forward([[3], [4], [5]])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

@@ -26,6 +26,22 @@ def test_batched_regeneration_matches_single_greedy_and_resumes(tiny_model_dir, 
     assert len(path.read_text().splitlines()) == 5  # nothing generated twice
 
 
+def test_regeneration_on_the_decode_engine_equals_single_greedy(tiny_model_dir, tmp_path):
+    """The distill pipeline's generator: continuous batching on the fast backend, same greedy responses."""
+    from train.distill import engine_generator
+
+    target = load_target(tiny_model_dir, "float32")
+    generate = engine_generator(target, "auto", concurrency=2)
+    assert engine_generator(target, "hf", concurrency=2) is None  # the reference: HF generate
+    prompts = [{"id": f"p{i}", "prompt": " ".join(f"w{j}" for j in range(i, 3 * i + 1))} for i in range(5)]
+    path = regenerate(target.model, target.tokenizer, prompts, tmp_path, max_new_tokens=9, batch_size=3, generate=generate)
+    done = read_done(path)
+    eos = target.tokenizer.eos_token_id
+    for item in prompts:
+        ids = chat_prompt_ids(target.tokenizer, item["prompt"])
+        assert done[item["id"]]["response_ids"] == hf_greedy(target.model, ids, 9, eos=[eos])
+
+
 def test_training_example_masks_the_prompt(tiny_model_dir):
     target = load_target(tiny_model_dir, "float32")
     response = response_ids_from_text(target.tokenizer, "w5 w6")

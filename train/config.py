@@ -38,7 +38,7 @@ class TrainDataConfig:
     regenerate: bool = True  # responses written by the target; false: the dataset's own responses
     # Regenerate only the first N conversations (the held-out evaluation ones, which come first, included);
     # the rest keep the data set's own responses. null: all.
-    num_regenerate: int | None = 64
+    num_regenerate: int | None = 192
     regen_temperature: float = 0.0
     regen_max_new_tokens: int = 96
     regen_batch_size: int = 16

@@ -102,6 +102,19 @@ def conversations(cfg: TrainDataConfig, tokenizer) -> list[dict]:
     return list(itertools.islice(fits, cfg.num_samples + cfg.num_eval))
 
 
+def engine_generator(target, backend_name: str, concurrency: int):
+    """Regeneration's generator: the decode engine's continuous batching on the configured target backend
+    (auto: the fast one where it runs), or None (HF generate) for target.backend=hf."""
+    if backend_name == "hf":
+        return None
+    from decode.backend import build_backend
+    from decode.batch_generate import generate_plain
+
+    backend = build_backend(target.model, backend_name)
+    return lambda prompts, max_new, temperature, eos, seed: generate_plain(backend, prompts, max_new, temperature, eos,
+                                                                         seed, concurrency)
+
+
 def build_examples(cfg: DistillConfig, target, run_dir: Path, budget_s: float, extend: bool = True, rank: int = 0,
                    world: int = 1) -> list[dict]:
     """Tokenized training examples. The first data.num_regenerate conversations (all when null) get
@@ -119,6 +132,7 @@ def build_examples(cfg: DistillConfig, target, run_dir: Path, budget_s: float, e
                               chosen, data_dir, cfg.data.regen_max_new_tokens, cfg.data.regen_temperature,
                               cfg.data.regen_concurrency, cfg.trainer.seed, rank, world)
     elif chosen:
+        generate = engine_generator(target, cfg.target.backend, cfg.data.regen_batch_size) if extend else None
         began, step = time.perf_counter(), cfg.data.regen_batch_size
         for start in range(0, len(chosen) if extend else 0, step):  # batch by batch, so the budget is checked between
             if time.perf_counter() - began > budget_s:
@@ -126,7 +140,8 @@ def build_examples(cfg: DistillConfig, target, run_dir: Path, budget_s: float, e
                       "run folder, or with the same data.cache_dir before training starts, continues it)")
                 break
             regenerate(target.model, target.tokenizer, chosen[start : start + step], data_dir,
-                       cfg.data.regen_max_new_tokens, cfg.data.regen_temperature, cfg.data.regen_batch_size, cfg.trainer.seed)
+                       cfg.data.regen_max_new_tokens, cfg.data.regen_temperature, cfg.data.regen_batch_size, cfg.trainer.seed,
+                       generate)
     if chosen:
         done = read_all_done(data_dir)
         responses.update({p["id"]: done[p["id"]]["response_ids"] for p in chosen if p["id"] in done})

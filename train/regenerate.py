@@ -1,7 +1,9 @@
 """Regeneration: responses written by the target itself, so the drafter learns the target's own
 distribution rather than another model's text (DSpark/DFlash practice).
 
-Batched HF generation with left padding; every finished batch is appended to
+Batched generation: by default HF `generate` with left padding; the distill pipeline hands in the decode
+engine's continuous batching on the fast target backend instead (`generate=`), which runs the same
+greedy decoding several times faster on a CPU. Every finished batch is appended to
 `responses.jsonl` (one JSON line per prompt: id, prompt, response_ids), flushed and fsynced, so a
 killed run resumes where it stopped: ids already present are skipped, and a torn last line from a
 kill mid-write is dropped. The finished file loads as a `datasets.Dataset`.
@@ -55,8 +57,12 @@ def regenerate(
     temperature: float = 0.0,
     batch_size: int = 8,
     seed: int = 0,
+    generate=None,
 ) -> Path:
-    """Write the target's responses to `out_dir/responses.jsonl`, resuming a previous run."""
+    """Write the target's responses to `out_dir/responses.jsonl`, resuming a previous run.
+
+    `generate(prompts_ids, max_new_tokens, temperature, eos_ids, seed) -> [response ids]` replaces HF
+    `generate` for each batch (responses end at their first EOS, which they include)."""
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
@@ -74,18 +80,25 @@ def regenerate(
         for start in tqdm(range(0, len(todo), batch_size), desc="regenerate", mininterval=5):
             chunk = todo[start : start + batch_size]
             encoded = [chat_prompt_ids(tokenizer, item["prompt"]) for item in chunk]
+            if generate is not None:
+                _append(sink, chunk, generate(encoded, max_new_tokens, temperature, sorted(eos_ids), seed + start))
+                continue
             width = max(map(len, encoded))
             # Left padding keeps every prompt's last token at the same column for batched generation.
             ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=model.device)
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=model.device)
             torch.manual_seed(seed + start)
             generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
-            for item, row in zip(chunk, generated):
-                record = {"id": item["id"], "prompt": item["prompt"], "response_ids": _strip(row, eos_ids)}
-                sink.write(json.dumps(record) + "\n")
-            sink.flush()
-            os.fsync(sink.fileno())
+            _append(sink, chunk, [_strip(row, eos_ids) for row in generated])
     return path
+
+
+def _append(sink, chunk: list[dict], responses: list[list[int]]) -> None:
+    """One finished batch, appended and fsynced (a kill loses at most the batch in flight)."""
+    for item, response in zip(chunk, responses):
+        sink.write(json.dumps({"id": item["id"], "prompt": item["prompt"], "response_ids": response}) + "\n")
+    sink.flush()
+    os.fsync(sink.fileno())
 
 
 def load_regenerated(path: str | Path):
