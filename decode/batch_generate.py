@@ -164,7 +164,7 @@ def _drafting(active: list[_Active], num_draft: int, rule, load: LoadPolicy | No
     for item, limit in zip(active, room):
         if item.backoff is not None and item.backoff.should_skip():
             continue
-        if limit > 0 and not worth_drafting(at(rule, len(item.context)), limit):
+        if limit > 0 and not worth_drafting(at(rule, len(item.context)), limit, item.proposer):
             continue
         drafting.append(item)
         limits.append(limit)

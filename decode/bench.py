@@ -29,7 +29,8 @@ from decode.backend import build_backend  # noqa: E402
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
-from decode.proposer import BlockDrafterProposer, Eagle3Proposer, NgramProposer, NoProposer, load_model_proposer  # noqa: E402
+from decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer, NoProposer,  # noqa: E402
+                             load_model_proposer)
 from decode.sampling import Sampler  # noqa: E402
 from decode.scheduler import build_scheduler  # noqa: E402
 from decode.session import CausalSession  # noqa: E402
@@ -56,12 +57,16 @@ def build_proposer(cfg: BenchConfig, target):
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
         drafter.generation_config.assistant_confidence_threshold = 0.0
         return proposer, "hf_assisted", {"assistant_model": drafter}
-    if name == "drafter":
+    if name in ("drafter", "hybrid"):
         if not cfg.proposer.path:
-            raise ValueError("proposer=drafter needs proposer.path=EXPORT (the export folder of a distill run)")
+            raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.proposer.path, target.model, cfg.target.name_or_path)
         kind = Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer
-        return kind(drafter, feature_layers), None, {}  # HF has no block-drafter / Eagle-3 baseline
+        proposer = kind(drafter, feature_layers)
+        if name == "hybrid":  # prompt lookup where it matches, the drafter elsewhere
+            lookup = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram, share_stats=cfg.proposer.share_stats)
+            proposer = HybridProposer(lookup, proposer)
+        return proposer, None, {}  # HF has no block-drafter / Eagle-3 baseline
     raise ValueError(f"unknown proposer {name!r}; choose one of {list(PROPOSERS)}")
 
 
@@ -172,7 +177,8 @@ def attach_calibration(cfg: BenchConfig, proposer) -> str | None:
     """Give a block drafter its stored confidence temperatures (bench.calibration); returns the file used."""
     from decode.calibrate import CALIBRATION_FILE, read_calibration
 
-    if not isinstance(proposer, BlockDrafterProposer) or cfg.bench.calibration == "none" or cfg.bench.mode == "calibrate":
+    block_drafter = isinstance(getattr(proposer, "trained", proposer), BlockDrafterProposer)  # a hybrid's drafter part too
+    if not block_drafter or cfg.bench.calibration == "none" or cfg.bench.mode == "calibrate":
         return None
     if cfg.bench.calibration == "auto":
         path = Path(cfg.proposer.path) / CALIBRATION_FILE
@@ -182,9 +188,10 @@ def attach_calibration(cfg: BenchConfig, proposer) -> str | None:
             raise FileNotFoundError(f"bench.calibration={path} does not exist; use auto, none or a calibration.json")
     calibration = read_calibration(path)
     for bucket, temperatures in (calibration or {}).items():
-        if len(temperatures) < proposer.max_draft:
+        if len(temperatures) < getattr(proposer, "trained", proposer).max_draft:
             raise ValueError(f"{path} holds {len(temperatures)} {bucket} temperatures but this drafter drafts "
-                             f"{proposer.max_draft} positions: it was made for another export; rerun bench.mode=calibrate")
+                             f"{getattr(proposer, 'trained', proposer).max_draft} positions: it was made for another export; "
+                             "rerun bench.mode=calibrate")
     proposer.calibration = calibration
     return str(path) if calibration else None
 

@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 
 from train.config import TargetConfig
 
-PROPOSERS = ("ngram", "model", "drafter")
+PROPOSERS = ("ngram", "model", "drafter", "hybrid")
 
 
 @dataclass

@@ -82,7 +82,7 @@ def speculative_generate(
         # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
         limit = min(num_draft, room - 1)
         rule = at(scheduler, len(context))
-        if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit):
+        if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit, proposer):
             proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
             proposal = draft(proposer, context, limit, sampler, generator, rule)
@@ -106,7 +106,7 @@ def draft(proposer, context: list[int], limit: int, sampler: Sampler, generator,
     proposal = proposer.propose(context, limit, sampler, generator, rule)
     if len(proposal.tokens) > limit:
         raise RuntimeError(f"proposer returned {len(proposal.tokens)} tokens where at most {limit} were asked for")
-    return proposal if rule is None else proposal.truncate(cut(proposal, rule))
+    return proposal if rule is None or proposal.scheduled else proposal.truncate(cut(proposal, rule))
 
 
 def record_step(result: Generation, context: list[int], proposal: Proposal, num_accepted: int, next_token: int,

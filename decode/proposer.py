@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from decode.backoff import Backoff
 from decode.sampling import Sampler, sample
 from decode.session import CausalSession
 
@@ -23,17 +24,20 @@ from decode.session import CausalSession
 @dataclass
 class Proposal:
     """A drafted block: tokens (k,), their draft distributions q (k, V) or None, confidences (k,) or None
-    (calibrated, when the export carries a calibration) and the confidence head's raw logits (k,)."""
+    (calibrated, when the export carries a calibration) and the confidence head's raw logits (k,).
+    `scheduled`: the proposer already cut the block with the step's rule (the loop does not cut it again)."""
 
     tokens: list[int]
     draft_probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
     confidence_logits: torch.Tensor | None = None
+    scheduled: bool = False
 
     def truncate(self, length: int) -> "Proposal":
         """The first `length` positions of the block."""
         cut = lambda t: None if t is None else t[:length]  # noqa: E731
-        return Proposal(self.tokens[:length], cut(self.draft_probs), cut(self.confidence), cut(self.confidence_logits))
+        return Proposal(self.tokens[:length], cut(self.draft_probs), cut(self.confidence), cut(self.confidence_logits),
+                        self.scheduled)
 
 
 class Proposer(Protocol):
@@ -55,6 +59,8 @@ def gives_confidence(proposer) -> bool:
     """Whether a proposer's proposals carry confidences (what threshold/cost/load schedulers read)."""
     if isinstance(proposer, NgramProposer):
         return True
+    if isinstance(proposer, HybridProposer):
+        return gives_confidence(proposer.trained)
     return getattr(getattr(proposer, "drafter", None), "confidence_head", None) is not None
 
 
@@ -444,3 +450,64 @@ class Eagle3Proposer:
             hidden, (k, v) = drafter.draft_step(token, hidden, position, prefix)
             prefix = (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
         return Proposal(tokens, torch.stack(draft_probs) if draft_probs else None)
+
+
+class HybridProposer:
+    """Multi-draft: prompt lookup where the context has a match, the trained drafter elsewhere, one verify
+    per step. The proposal's q is that of whichever part drafted it (one-hot for lookup), so the acceptance
+    rule stays exact. Both parts see every committed step, so the drafter's feature context and the lookup's
+    statistics stay in step with the accepted text whichever part drafted.
+
+    With a rule that prices steps (scheduler=cost), a lookup proposal is priced without the drafter's
+    drafting time: its drafting is a scan of the context. Where lookup has a match but the rule declines it
+    (its confidence is too low to pay), the drafter drafts instead. The loop never backs off from a hybrid
+    (`cheap`): it backs off its drafter part itself (the rule's max_skip), and keeps looking up meanwhile."""
+
+    cheap = True
+
+    def __init__(self, lookup: NgramProposer, trained):
+        self.lookup, self.trained = lookup, trained
+        self.feature_layers = trained.feature_layers
+        self.max_draft = None  # lookup has no block limit; the drafter is cut to its own
+        self.last = None  # which part drafted the last proposal: "lookup" | "trained" | None
+        self.backoff: Backoff | None = None  # the drafter part's, made from the first rule with a max_skip
+
+    @property
+    def calibration(self):
+        return getattr(self.trained, "calibration", None)
+
+    @calibration.setter
+    def calibration(self, value) -> None:
+        self.trained.calibration = value
+
+    def clone(self) -> "HybridProposer":
+        return HybridProposer(self.lookup.clone(), self.trained.clone())
+
+    def start(self, context_ids, features):
+        self.lookup.start(context_ids, features)
+        self.trained.start(context_ids, features)
+        self.backoff = None
+
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
+        lookup_rule = rule.without_drafting() if hasattr(rule, "without_drafting") else rule
+        proposal = self.lookup.propose(context_ids, num_draft, sampler, generator, lookup_rule)
+        if proposal.tokens:
+            self.last = "lookup"
+            proposal.scheduled = True  # cut by the lookup's pricing; the loop's rule would price the drafter in
+            return proposal
+        limit = min(num_draft, self.trained.max_draft or num_draft)
+        if self.backoff is None and getattr(rule, "max_skip", 0):
+            self.backoff = Backoff(rule.max_skip)
+        if not limit or (self.backoff is not None and self.backoff.should_skip()):
+            self.last = None
+            return Proposal([])
+        self.last = "trained"
+        proposal = self.trained.propose(context_ids, limit, sampler, generator, rule)
+        if self.backoff is not None:  # as decode.scheduler.backoff_count: 0 where the verified positions did not pay
+            paid = not hasattr(rule, "pays") or proposal.confidence is None or rule.pays(proposal.confidence.tolist())
+            self.backoff.observe(len(proposal.tokens) if proposal.tokens and paid else 0)
+        return proposal
+
+    def commit(self, context_ids, features):
+        self.lookup.commit(context_ids, features)
+        self.trained.commit(context_ids, features)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from decode.backoff import Backoff
 from decode.proposer import Proposal
 
 SCHEDULERS = ("fixed", "threshold", "cost", "load")
@@ -55,31 +56,6 @@ def expected_tokens(confidences: list[float]) -> float:
     return total
 
 
-class Backoff:
-    """The fallback to plain decoding: after a step whose speculation did not pay (nothing verified, or
-    too little to repay the drafting: `backoff_count`), skip the drafter
-    (backbone pass included) for 1, 2, 4, ... steps (at most `max_skip`), then draft again to probe.
-    It decides from finished steps only, before anything of the current step is drafted, so the
-    verified set never depends on the tokens being verified."""
-
-    def __init__(self, max_skip: int):
-        self.max_skip, self.streak, self.skip = max_skip, 0, 0
-
-    def should_skip(self) -> bool:
-        if self.skip > 0:
-            self.skip -= 1
-            return True
-        return False
-
-    def observe(self, verified: int) -> None:
-        """After a step that drafted: how many positions the scheduler chose to verify."""
-        if verified > 0:
-            self.streak = 0
-            return
-        self.streak += 1
-        self.skip = min(2 ** (self.streak - 1), self.max_skip)
-
-
 def backoff_count(rule, proposal: Proposal) -> int:
     """What a step tells the backoff: its verified positions, or 0 when they did not pay for the drafting
     (rules that price steps, `pays`); decided after the step is drafted, about the next steps only."""
@@ -105,8 +81,11 @@ def can_pay(rows: int, drafting: int, max_length: int, draft_s, verify_s) -> boo
                for length in range(1, max_length + 1))
 
 
-def worth_drafting(rule, limit: int) -> bool:
-    """False when the rule knows from its profile that no draft of at most `limit` positions can pay."""
+def worth_drafting(rule, limit: int, proposer=None) -> bool:
+    """False when the rule knows from its profile that no draft of at most `limit` positions can pay. For a
+    `cheap` proposer (prompt lookup, a hybrid that may look up) drafting is priced at nothing."""
+    if getattr(proposer, "cheap", False) and hasattr(rule, "without_drafting"):
+        rule = rule.without_drafting()
     return limit > 0 and (not hasattr(rule, "can_pay") or rule.can_pay(limit))
 
 
@@ -126,18 +105,24 @@ class CostRule:
 
     needs_confidence = True
 
-    def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None):
+    def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None, drafting: bool = True):
         self.profile, self.rows, self.max_skip, self.context = profile, rows, max_skip, context
+        self.drafting = drafting  # False: price the step without the profile's drafting time
 
     def at(self, context_length: int) -> "CostRule":
-        return CostRule(self.profile, self.rows, self.max_skip, context_length)
+        return CostRule(self.profile, self.rows, self.max_skip, context_length, self.drafting)
+
+    def without_drafting(self) -> "CostRule":
+        """The same rule for a proposal whose drafting costs nothing next to the profile's drafter (a hybrid's
+        prompt lookup): only the verify time prices it."""
+        return CostRule(self.profile, self.rows, self.max_skip, self.context, drafting=False)
 
     def rate(self, confidences: list[float]) -> float:
         """Expected tokens per second of this step verifying len(confidences) positions. The backbone pass
         that produced c_1 is already spent when the rule is asked, so ℓ = 0 counts it too (draft_s(0)):
         the step's decision is the best one given its probe. Whether probing paid is `pays`' question."""
-        seconds = self.profile.draft_s(len(confidences), self.context) + self._verify(1 + len(confidences))
-        return expected_tokens(confidences) / seconds
+        drafting = self.profile.draft_s(len(confidences), self.context) if self.drafting else 0.0
+        return expected_tokens(confidences) / (drafting + self._verify(1 + len(confidences)))
 
     def _verify(self, length: int) -> float:
         return self.profile.verify_s(self.rows, length, context=self.context)
@@ -153,7 +138,8 @@ class CostRule:
 
     def can_pay(self, limit: int) -> bool:
         """Whether some ℓ <= limit could beat plain decoding at this context if every position survived."""
-        return can_pay(self.rows, 1, limit, lambda length: self.profile.draft_s(length, self.context),
+        draft_s = (lambda length: self.profile.draft_s(length, self.context)) if self.drafting else (lambda length: 0.0)
+        return can_pay(self.rows, 1, limit, draft_s,
                        lambda rows, length: self.profile.verify_s(rows, length, context=self.context))
 
 

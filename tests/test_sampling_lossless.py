@@ -238,14 +238,14 @@ class MarkovDrafter:
         pass
 
 
-def loop_samples(s: Sampler, n: int, num_draft: int, seed: int, accept_fn=None, proposer=None) -> np.ndarray:
+def loop_samples(s: Sampler, n: int, num_draft: int, seed: int, accept_fn=None, proposer=None, scheduler=None) -> np.ndarray:
     """First three tokens of N generations; max_new_tokens leaves room for full blocks of num_draft."""
     target, drafter = markov_tables()
     session, proposer = MarkovSession(target), proposer or MarkovDrafter(drafter)
     gen = torch.Generator().manual_seed(seed)
     out = [
-        speculative_generate(session, [START], proposer, s, 3 + num_draft, num_draft, generator=gen, accept_fn=accept_fn)
-        .output_ids[:3]
+        speculative_generate(session, [START], proposer, s, 3 + num_draft, num_draft, generator=gen, accept_fn=accept_fn,
+                             scheduler=scheduler).output_ids[:3]
         for _ in range(n)
     ]
     return np.array(out)
@@ -281,6 +281,22 @@ def test_generate_loop_sampling_matches_target_distribution(s, drafter):
     proposer = ArgmaxDrafter(markov_tables()[1]) if drafter == "deterministic" else None
     pvalue = goodness_of_fit(loop_samples(s, 4000, 2, seed=11, proposer=proposer), expected_loop_joint(s))
     assert pvalue > 1e-4
+
+
+def test_hybrid_and_scheduled_prompt_lookup_match_target_distribution():
+    """Lookup where the context repeats (q one-hot), the stochastic drafter elsewhere (its own q); and lookup
+    cut by a threshold on confidences learned from earlier steps, shared across all generations."""
+    from decode.proposer import HybridProposer, NgramProposer
+    from decode.scheduler import ThresholdRule
+
+    s = SETTINGS[0]
+    expected = expected_loop_joint(s)
+    hybrid = HybridProposer(NgramProposer(max_ngram=2), MarkovDrafter(markov_tables()[1]))
+    assert goodness_of_fit(loop_samples(s, 4000, 2, seed=12, proposer=hybrid), expected) > 1e-4
+    lookup = NgramProposer(max_ngram=2)
+    samples = loop_samples(s, 4000, 3, seed=13, proposer=lookup, scheduler=ThresholdRule(0.3))
+    assert goodness_of_fit(samples, expected) > 1e-4
+    assert sum(map(sum, lookup.stats.tries)) > 1000  # the rule did read learned confidences
 
 
 def test_generate_loop_with_wrong_rule_fails():
