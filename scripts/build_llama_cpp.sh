@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build llama.cpp (the CPU peer of scripts/peers.py) from the source tree that the PyPI sdist of
+# llama-cpp-python vendors, once, into the specdraft cache (SPECDRAFT_CACHE, default ~/.cache/specdraft).
+# Prints the folder holding the binaries. About 15 minutes on 2 cores the first time; a no-op after.
+# Usage: bash scripts/build_llama_cpp.sh [VERSION]   (default 0.3.36)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${1:-0.3.36}
+CACHE=${SPECDRAFT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specdraft}
+ROOT="$CACHE/llama.cpp-$VERSION"
+BIN="$ROOT/build/bin"
+TARGETS=(llama-bench llama-speculative-simple)
+if [ -x "$BIN/llama-speculative-simple" ] && [ -x "$BIN/llama-bench" ]; then
+  echo "$BIN"; exit 0
+fi
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+if [ ! -f "$ROOT/CMakeLists.txt" ]; then
+  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work" >&2
+  tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
+  mkdir -p "$CACHE"
+  rm -rf "$ROOT.tmp" && mv "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$ROOT.tmp" && mv "$ROOT.tmp" "$ROOT"
+fi
+cmake -S "$ROOT" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >&2
+cmake --build "$ROOT/build" -j"$(nproc)" --target "${TARGETS[@]}" >&2
+echo "$BIN"

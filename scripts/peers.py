@@ -1,0 +1,289 @@
+"""Peers side by side, one run, same prompts: HF `generate`, HF prompt lookup, HF assisted generation, our
+plain / ngram / drafter / hybrid decoding, and llama.cpp on the same GGUF.
+
+    python scripts/peers.py [--drafter EXPORT] [--data mtbench] [--categories coding extraction math]
+                            [--num-prompts 20] [--max-new-tokens 128] [--out docs/results/peers]
+
+Per prompt, every Python method runs interleaved (order rotated; decode/bench.py's run_interleaved), so
+each ratio comes from one stretch of time. The llama.cpp rows run its own binaries on the same chat-formatted
+prompts after that: `llama-speculative-simple` with `--spec-type none` (plain decoding) and with
+`--spec-type ngram-simple` (its prompt lookup, set to our lookup's n-gram size and draft length), and `llama-bench` for its batched-forward curve at depth 300 (the cost of verifying k
+tokens). They come from scripts/build_llama_cpp.sh's cache; where it is absent the rows say "not built"
+(nothing here builds it). llama.cpp computes the Q4_1 GGUF with quantized dot products, so its tokens are
+not the float32 target's: its rows report speed, not exactness.
+
+Writes OUT/peers.json, OUT/peers.md and OUT/peers.png. "decode tok/s" is the speed after the first token
+(prefill left out), "e2e tok/s" includes it; "vs plain" divides by our plain decoding's decode speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[0] = str(REPO)
+
+import torch  # noqa: E402
+
+LLAMA_VERSION = "0.3.36"
+
+
+def llama_bin_dir() -> Path | None:
+    """The folder of scripts/build_llama_cpp.sh's binaries, or None where they were not built."""
+    cache = Path(os.environ.get("SPECDRAFT_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdraft"))
+    folder = cache / f"llama.cpp-{LLAMA_VERSION}" / "build" / "bin"
+    needed = ("llama-speculative-simple", "llama-bench")
+    return folder if all((folder / name).is_file() for name in needed) else None
+
+
+def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[dict, dict]:
+    """name -> run(index, ids) for every Python method, and name -> how it was configured."""
+    from decode.bench import hf_generate
+    from decode.generate import speculative_generate
+    from decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, NoProposer, load_model_proposer
+    from decode.sampling import Sampler
+    from decode.scheduler import CostRule
+    from decode.session import CausalSession
+    from train.export import load_drafter
+
+    sampler = Sampler(args.temperature)
+    plain_session = CausalSession(backend)
+    lookup = NgramProposer(args.max_ngram)
+    assistant, assistant_model = load_model_proposer(target.path, args.assistant_layers, target)
+    for key, value in (("num_assistant_tokens", args.num_draft), ("num_assistant_tokens_schedule", "constant"),
+                       ("assistant_confidence_threshold", 0.0)):
+        setattr(assistant_model.generation_config, key, value)
+    proposers = {"ours_ngram": (lookup, args.num_draft)}
+    described = {"hf_generate": "transformers generate, greedy" if sampler.greedy else "transformers generate",
+                 "hf_prompt_lookup": f"generate(prompt_lookup_num_tokens={args.num_draft}, max_matching_ngram_size={args.max_ngram})",
+                 "hf_assisted": f"generate(assistant_model=the target's first {args.assistant_layers} layers, {args.num_draft} tokens)",
+                 "ours_plain": "decode loop, no drafter, target.backend=auto",
+                 "ours_ngram": f"prompt lookup (max_ngram={args.max_ngram}), num_draft={args.num_draft}, scheduler={args.scheduler}",
+                 "ours_assisted": f"the same assistant as hf_assisted in our loop, num_draft={args.num_draft}"}
+    proposers["ours_assisted"] = (assistant, args.num_draft)
+    profile = None
+    if args.drafter:
+        drafter, layers = load_drafter(args.drafter, target.model, args.target)
+        trained = BlockDrafterProposer(drafter, layers)
+        calibration = Path(args.drafter) / "calibration.json"
+        if calibration.is_file():
+            from decode.calibrate import read_calibration
+
+            trained.calibration = read_calibration(calibration)
+        proposers["ours_drafter"] = (trained, drafter.block_size)
+        proposers["ours_hybrid"] = (HybridProposer(NgramProposer(args.max_ngram), trained.clone()), args.num_draft)
+        described["ours_drafter"] = f"{args.drafter} (block {drafter.block_size}), scheduler={args.scheduler}"
+        described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
+    if args.scheduler == "cost":
+        from decode.profile import load_or_measure
+
+        # One profile for every method: the verify curve is the target's; the drafting curve the drafter's
+        # (lookup is priced without it, decode/proposer.py), or the lookup's own where there is no drafter.
+        pricing = proposers.get("ours_drafter", proposers["ours_ngram"])[0]
+        profile, _, _ = load_or_measure(args.target, backend, pricing, args.drafter, max(n for _, n in proposers.values()),
+                                        [1], 256, contexts=[64, 1024])
+    sessions = {name: CausalSession(backend, proposer.feature_layers) for name, (proposer, _) in proposers.items()}
+
+    def ours(name):
+        proposer, num_draft = proposers[name]
+        # The assistant has no confidences: fixed length. Lookup and drafters: the configured scheduler.
+        rule = CostRule(profile) if profile is not None and name != "ours_assisted" else None
+
+        def run(index, ids):
+            generator = torch.Generator().manual_seed(args.seed + index)
+            return speculative_generate(sessions[name], ids, proposer, sampler, args.max_new_tokens, num_draft, stop, rule, generator)
+        return run
+
+    def seeded(fn):
+        def run(index, ids):
+            torch.manual_seed(args.seed + index)  # HF generate samples with the global generator
+            return fn(ids)
+        return run
+
+    methods = {
+        "hf_generate": seeded(lambda ids: hf_generate(target.model, ids, sampler, args.max_new_tokens, stop, pad)),
+        "hf_prompt_lookup": seeded(lambda ids: hf_generate(target.model, ids, sampler, args.max_new_tokens, stop, pad,
+                                                           prompt_lookup_num_tokens=args.num_draft,
+                                                           max_matching_ngram_size=args.max_ngram)),
+        "hf_assisted": seeded(lambda ids: hf_generate(target.model, ids, sampler, args.max_new_tokens, stop, pad,
+                                                      assistant_model=assistant_model)),
+        "ours_plain": lambda index, ids: speculative_generate(plain_session, ids, NoProposer(), sampler, args.max_new_tokens,
+                                                              0, stop, generator=torch.Generator().manual_seed(args.seed + index)),
+        **{name: ours(name) for name in proposers},
+    }
+    return methods, described
+
+
+def llama_rows(args, texts: list[str], bin_dir: Path | None) -> dict:
+    """llama.cpp's plain and prompt-lookup decoding on the same prompts, and its batched-forward curve."""
+    from train.target import _gguf_file
+
+    names = ("llama_cpp_plain", "llama_cpp_ngram")
+    if bin_dir is None or args.target != "smollm2-135m-instruct":
+        why = "not built (bash scripts/build_llama_cpp.sh)" if bin_dir is None else "only the embedded GGUF target"
+        return {name: {"status": why} for name in names} | {"llama_cpp_curve": {"status": why}}
+    gguf = str(_gguf_file(args.target))
+    common = ["-m", gguf, "-n", str(args.max_new_tokens), "-t", str(torch.get_num_threads()), "--temp",
+              str(args.temperature), "--seed", str(args.seed), "-c", "4096"]
+    lookup = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.max_ngram),
+              "--spec-ngram-simple-size-m", str(args.num_draft), "--spec-draft-n-max", str(args.num_draft)]
+    rows = {}
+    for name, extra in (("llama_cpp_plain", ["--spec-type", "none"]), ("llama_cpp_ngram", lookup)):
+        encode_s = decode_s = 0.0
+        encoded = decoded = drafted = accepted = 0
+        for text in texts:
+            cmd = [str(bin_dir / "llama-speculative-simple"), *common, *extra, "-p", text]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            log = proc.stdout + proc.stderr
+            if proc.returncode != 0:
+                rows[name] = {"status": f"failed (exit {proc.returncode}): {log[-400:]}"}
+                break
+            enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) s", log)
+            dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) s", log)
+            if enc:
+                encoded, encode_s = encoded + int(enc.group(1)), encode_s + float(enc.group(2))
+            if dec:
+                decoded, decode_s = decoded + int(dec.group(1)), decode_s + float(dec.group(2))
+            counts = dict(re.findall(r"(n_drafted|n_accept)\s+=\s+(\d+)", log))
+            drafted, accepted = drafted + int(counts.get("n_drafted", 0)), accepted + int(counts.get("n_accept", 0))
+        else:
+            rows[name] = {"status": "ran", "decode_tokens_per_s": decoded / decode_s if decode_s else None,
+                          "tokens_per_s": decoded / (decode_s + encode_s) if decode_s else None,
+                          "prefill_s": encode_s / len(texts), "tokens": decoded, "drafted": drafted,
+                          "accepted": accepted, "command": " ".join(["llama-speculative-simple", *common[2:], *extra])}
+    # Batched forward at depth 300: the cost of verifying k tokens, relative to one.
+    sizes = ",".join(str(k) for k in (1, 2, 4, 8, 16))
+    proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(torch.get_num_threads()), "-d", "300",
+                           "-p", sizes, "-n", "0", "-o", "json", "-r", "3"], capture_output=True, text=True, timeout=900)
+    try:
+        runs = json.loads(proc.stdout)
+        curve = {str(r["n_prompt"]): 1000 * r["n_prompt"] / r["avg_ts"] for r in runs}
+        rows["llama_cpp_curve"] = {"status": "ran", "depth": 300, "ms_by_tokens": curve,
+                                   "ratio_to_one": {k: v / curve["1"] for k, v in curve.items()}}
+    except (ValueError, KeyError, TypeError):
+        rows["llama_cpp_curve"] = {"status": f"llama-bench failed: {(proc.stdout + proc.stderr)[-400:]}"}
+    return rows
+
+
+def summarize(results: dict, reference: str = "hf_generate") -> dict:
+    from decode.metrics import acceptance_stats, timing_stats
+
+    plain = timing_stats(results["ours_plain"])
+    plain_decode = 1 / plain["tpot_s"]
+    rows = {}
+    for name, gens in results.items():
+        timing, accept = timing_stats(gens), acceptance_stats(gens)
+        decode = 1 / timing["tpot_s"] if timing["tpot_s"] else None
+        rows[name] = {"status": "ran", "tokens_per_s": timing["tokens_per_s"], "decode_tokens_per_s": decode,
+                      "decode_vs_plain": decode / plain_decode if decode else None,
+                      "e2e_vs_plain": timing["tokens_per_s"] / plain["tokens_per_s"],
+                      "tau": accept["tau"] if name.startswith("ours_") else None,
+                      "ttft_s": timing["ttft_s"] if name.startswith("ours_") else None,
+                      "equal_to_hf_generate": all(g.output_ids == r.output_ids for g, r in zip(gens, results[reference]))}
+    return rows
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# Peers, {summary['settings']['data']} {summary['settings']['categories'] or ''}, "
+             f"{summary['settings']['num_prompts']} prompts x {summary['settings']['max_new_tokens']} tokens, "
+             f"T={summary['settings']['temperature']}, {summary['machine']}",
+             "", "| method | decode tok/s | vs plain | e2e tok/s | vs plain | τ | tokens = HF generate |",
+             "|---|---|---|---|---|---|---|"]
+    fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for name, row in summary["rows"].items():
+        if name == "llama_cpp_curve":
+            continue
+        if row["status"] != "ran":
+            lines.append(f"| {name} | {row['status']} | | | | | |")
+            continue
+        plain = summary["rows"]["ours_plain"]
+        lines.append(f"| {name} | {fmt(row['decode_tokens_per_s'], 1)} | "
+                     f"{fmt(row.get('decode_vs_plain') or row['decode_tokens_per_s'] / plain['decode_tokens_per_s'])} | "
+                     f"{fmt(row['tokens_per_s'], 1)} | {fmt(row.get('e2e_vs_plain') or row['tokens_per_s'] / plain['tokens_per_s'])} | "
+                     f"{fmt(row.get('tau'))} | {fmt(row.get('equal_to_hf_generate'))} |")
+    curve = summary["rows"].get("llama_cpp_curve", {})
+    if curve.get("status") == "ran":
+        ratios = " / ".join(f"{v:.2f}" for v in curve["ratio_to_one"].values())
+        lines += ["", f"llama.cpp batched forward at depth 300, {' / '.join(curve['ms_by_tokens'])} tokens, "
+                      f"ratio to one token: {ratios}"]
+    lines += ["", "Methods:"] + [f"- {k}: {v}" for k, v in summary["methods"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {k: v for k, v in summary["rows"].items() if v.get("status") == "ran" and "decode_tokens_per_s" in v}
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(list(rows), [v["decode_tokens_per_s"] for v in rows.values()], color="tab:blue")
+    ax.set_xlabel("decode tokens/s (after the first token)")
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"{summary['settings']['num_prompts']} prompts x {summary['settings']['max_new_tokens']} tokens, "
+                 f"T={summary['settings']['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--drafter", default=None, help="an export folder (adds our drafter and hybrid rows)")
+    parser.add_argument("--data", default="mtbench")
+    parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--num-draft", type=int, default=4)
+    parser.add_argument("--max-ngram", type=int, default=3)
+    parser.add_argument("--assistant-layers", type=int, default=4)
+    parser.add_argument("--scheduler", choices=["fixed", "cost"], default="cost")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("peers"))
+    args = parser.parse_args()
+
+    from decode.backend import build_backend
+    from decode.bench import eos_ids, run_interleaved, strip_generation_defaults
+    from train.data import chat_prompt_ids, load_prompts
+    from train.hardware import cpu_model
+    from train.target import load_target
+
+    target = load_target(args.target, "float32")
+    strip_generation_defaults(target.model)
+    backend = build_backend(target.model)
+    stop = eos_ids(target)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
+    prompts = load_prompts(args.data, None, args.num_prompts, categories=args.categories)
+    encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
+    methods, described = python_methods(args, target, backend, stop, pad)
+    results = run_interleaved(list(methods), lambda kind, index, ids: methods[kind](index, ids), encoded)
+    rows = summarize(results)
+    texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                                  tokenize=False) for p in prompts]
+    rows.update(llama_rows(args, texts, llama_bin_dir()))
+    described["llama_cpp_plain"] = "llama-speculative-simple --spec-type none on the Q4_1 GGUF"
+    described["llama_cpp_ngram"] = (f"llama-speculative-simple --spec-type ngram-simple, n-gram {args.max_ngram}, "
+                                    f"{args.num_draft} drafted tokens")
+    summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "machine": f"{cpu_model()}, {torch.get_num_threads()} threads", "methods": described, "rows": rows,
+               "target_backend": backend.describe()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "peers.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.out / "peers.md").write_text(markdown(summary))
+    plot(summary, args.out / "peers.png")
+    print(markdown(summary))
+    print(f"wrote {args.out / 'peers.json'}, peers.md and peers.png")
+
+
+if __name__ == "__main__":
+    main()
