@@ -46,7 +46,8 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
     device = drafter.draft_to_target.device
     anchors = torch.tensor([contexts[r][-1] for r in rows], device=device)  # (R,)
     out = drafter.forward_blocks([proposers[r].cache for r in rows], [proposers[r].length for r in rows], anchors,
-                                 logits=False)  # hidden (R, γ, H); the LM head runs per position, as in `propose`
+                                 logits=False)  # hidden (R, γ, H); the LM head runs once drafting starts, as in `propose`
+    block_logits = None
     heads = drafter.markov_head
     state = heads.initial_state(len(rows), out.hidden[:, 0]) if heads is not None else None
     temperatures = proposers[rows[0]]._temperatures(sampler)
@@ -81,7 +82,9 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
             bias, state = heads.markov_step(embedding, hidden, state)
         if not live:
             break
-        logits = drafter.lm_head(hidden)  # (R, V_draft)
+        if block_logits is None:  # every row's and position's LM head in one matmul
+            block_logits = drafter.lm_head(out.hidden[:, : max(limits[r] for r in rows)])  # (R, k, V_draft)
+        logits = block_logits[:, k]  # (R, V_draft)
         if heads is not None:
             logits = logits + bias
         if sampler.greedy:

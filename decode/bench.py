@@ -27,6 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 from decode.backend import build_backend  # noqa: E402
 from decode.config import PROPOSERS, BenchConfig, register_configs  # noqa: E402
+from decode.fast_drafter import drafter_for_backend  # noqa: E402
 from decode.generate import Generation, speculative_generate  # noqa: E402
 from decode.metrics import acceptance_stats, timing_stats  # noqa: E402
 from decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer, NoProposer,  # noqa: E402
@@ -61,6 +62,7 @@ def build_proposer(cfg: BenchConfig, target):
         if not cfg.proposer.path:
             raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.proposer.path, target.model, cfg.target.name_or_path)
+        drafter = drafter_for_backend(drafter, cfg.target.backend)  # its matmuls on the target's kernels
         kind = Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer
         proposer = kind(drafter, feature_layers)
         if name == "hybrid":  # prompt lookup where it matches, the drafter elsewhere

@@ -364,9 +364,10 @@ class BlockDrafterProposer:
         self.flush()
         drafter = self.drafter
         anchor = torch.tensor([context_ids[-1]], device=drafter.draft_to_target.device)
-        # Hidden states only: the LM head runs below per drafted position, so a step the scheduler
-        # ends at c_1 (plain decoding) pays for the backbone and the confidence head alone.
+        # Hidden states only: the LM head runs below once the first position is drafted, so a step the
+        # scheduler ends at c_1 (plain decoding) pays for the backbone and the confidence head alone.
         out = drafter.forward_block(self.cache, self.length, anchor, logits=False)  # hidden (1, γ, H)
+        block_logits = None
         heads = drafter.markov_head
         state = heads.initial_state(1, out.hidden[:, 0]) if heads is not None else None
         temperatures = self._temperatures(sampler)
@@ -384,7 +385,9 @@ class BlockDrafterProposer:
                     confidence.pop(), raw.pop()
                     break
                 bias, state = heads.markov_step(embedding, hidden, state)
-            logits = drafter.lm_head(hidden)  # (1, V_draft)
+            if block_logits is None:  # the LM head of every position at once: one read of its weights, not k
+                block_logits = drafter.lm_head(out.hidden[0, :num_draft])  # (k, V_draft)
+            logits = block_logits[k : k + 1]  # (1, V_draft)
             if heads is not None:
                 logits = logits + bias
             token, q = pick_draft_token(logits, drafter.draft_to_target, target_vocab, sampler, generator)

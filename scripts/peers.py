@@ -50,6 +50,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
     from decode.sampling import Sampler
     from decode.scheduler import CostRule
     from decode.session import CausalSession
+    from decode.fast_drafter import drafter_for_backend
     from train.export import load_drafter
 
     sampler = Sampler(args.temperature)
@@ -70,6 +71,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
     profile = None
     if args.drafter:
         drafter, layers = load_drafter(args.drafter, target.model, args.target)
+        drafter = drafter_for_backend(drafter)
         trained = BlockDrafterProposer(drafter, layers)
         calibration = Path(args.drafter) / "calibration.json"
         if calibration.is_file():

@@ -1,0 +1,79 @@
+"""The drafter's fast twin (oneDNN-packed Linear layers) shares the drafter's tensors and drafts what the
+reference modules draft: same tokens, q and confidences within fp32 rounding, batch-1 and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode.batch_draft import propose_blocks
+from decode.fast_drafter import PackedLinearModule, drafter_for_backend, fast_drafter
+from decode.generate import speculative_generate
+from decode.proposer import BlockDrafterProposer, Eagle3Proposer
+from decode.sampling import Sampler
+from decode.session import CausalSession
+from tests.conftest import hf_greedy
+from tests.test_drafter import make_drafter
+from tests.test_eagle3 import make_eagle
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def start(target, proposer, context):
+    _, features = CausalSession(target, proposer.feature_layers).forward(context[:-1])
+    proposer.start(context, features)
+    return proposer
+
+
+def test_the_twin_shares_every_tensor_and_packs_only_linears():
+    _, drafter = make_drafter("dspark")
+    drafter.fc.input_scale.uniform_(0.5, 2.0)  # the fusion projection's scale is folded into its packed weight
+    twin = fast_drafter(drafter)
+    mine = {id(t) for t in drafter.parameters()} | {id(t) for t in drafter.buffers()}
+    assert {id(t) for t in twin.parameters()} | {id(t) for t in twin.buffers()} <= mine
+    packed = [m for m in twin.modules() if isinstance(m, PackedLinearModule)]
+    assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in drafter.modules()) and packed
+    features = torch.randn(5, 2 * 32)
+    torch.testing.assert_close(twin.project_context(features), drafter.project_context(features), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["dspark", "dflash"])
+@pytest.mark.parametrize("sampler", [Sampler(), Sampler(temperature=1.0)], ids=["greedy", "T1"])
+def test_block_drafter_twin_proposes_what_the_reference_proposes(mode, sampler):
+    target, drafter = make_drafter(mode)
+    proposals = []
+    for module in (drafter, fast_drafter(drafter)):
+        proposer = start(target, BlockDrafterProposer(module, (1, 2)), PROMPT)
+        proposals.append(proposer.propose(PROMPT, 4, sampler, torch.Generator().manual_seed(1)))
+    ref, got = proposals
+    assert got.tokens == ref.tokens
+    for a, b in ((got.draft_probs, ref.draft_probs), (got.confidence, ref.confidence)):
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # Batched drafting over the twin: the same blocks as the reference's, row by row.
+    rows = []
+    for module in (drafter, fast_drafter(drafter)):
+        proposers = [start(target, BlockDrafterProposer(module, (1, 2)), PROMPT[: n]) for n in (10, 7, 4)]
+        blocks = propose_blocks(proposers, [PROMPT[:10], PROMPT[:7], PROMPT[:4]], [4, 2, 3], sampler,
+                                [torch.Generator().manual_seed(r) for r in range(3)])
+        rows.append([b.tokens for b in blocks])
+    assert rows[0] == rows[1]
+
+
+def test_eagle3_twin_decodes_exactly():
+    target, drafter = make_eagle(vocab=torch.arange(0, 64, 2))
+    proposer = Eagle3Proposer(fast_drafter(drafter), (1, 2))
+    session = CausalSession(target, (1, 2))
+    for prompt in ([3, 1, 4, 1, 5], [6, 6, 6, 6]):
+        assert speculative_generate(session, prompt, proposer, Sampler(), 15, 3).output_ids == hf_greedy(target, prompt, 15)
+
+
+def test_backend_setting_picks_the_twin_or_the_reference():
+    _, drafter = make_drafter("dspark")
+    assert drafter_for_backend(drafter, "hf") is drafter
+    assert any(isinstance(m, PackedLinearModule) for m in drafter_for_backend(drafter, "auto", log=pytest.fail).modules())
+    half = make_drafter("dspark")[1].to(torch.float16)
+    lines = []
+    assert drafter_for_backend(half, "auto", log=lines.append) is half and "float16" in lines[0]
+    with pytest.raises(ValueError, match="target.backend=fast cannot run the drafter"):
+        drafter_for_backend(half, "fast")
