@@ -1,0 +1,35 @@
+"""scripts/roofline.py's floor: bytes over bandwidth until the matmuls take longer than reading the weights."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+
+spec = importlib.util.spec_from_file_location("roofline", Path(__file__).resolve().parents[1] / "scripts" / "roofline.py")
+roofline = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(roofline)
+
+
+def test_shapes_are_the_fused_matmuls_of_a_layer_and_the_head():
+    config = tiny_llama(0).config  # hidden 32, 4 heads of 8, 2 kv heads, intermediate 64, vocab 64
+    assert roofline.target_shapes(config) == {"qkv": (64, 32), "o": (32, 32), "gate_up": (128, 32), "down": (32, 64),
+                                              "lm_head": (64, 32)}
+
+
+def test_floor_is_the_weight_stream_then_the_flops():
+    config = tiny_llama(0).config
+    params = 2 * (64 * 32 + 32 * 32 + 128 * 32 + 32 * 64) + 64 * 32  # two layers and the head
+    bandwidth, peak = 1.0, 1e-3  # GB/s and GFLOP/s chosen so both regimes show
+    one = roofline.floor_ms(config, torch.float32, 0, 1, bandwidth, peak)
+    weights = (params + 32) * 4 + 2 * 2 * 2 * 8 * 1 * 4  # fp32 weights, one embedding row, one cached k/v slot
+    flops = 2 * params + 4 * 2 * 4 * 8 * 1
+    assert one == pytest.approx(1000 * max(weights / 1e9, flops / 1e6))
+    # A fast machine: bandwidth-bound, so more tokens barely change the floor; bf16 halves it.
+    fast = [roofline.floor_ms(config, torch.float32, 300, k, 10.0, 1e6) for k in (1, 8)]
+    assert fast[1] / fast[0] < 1.1
+    assert roofline.floor_ms(config, torch.bfloat16, 300, 1, 10.0, 1e6) == pytest.approx(fast[0] / 2)
