@@ -26,9 +26,11 @@ def survival_arrays(generations: list[Generation], positions: int) -> tuple[torc
     """(z, survived, drafted), each (steps, positions), from the steps that recorded confidences."""
     rows_z, rows_survived, rows_drafted = [], [], []
     for gen in generations:
-        # confidence_logits has one entry per step that drafted with a confidence head, in step order.
+        # confidence_logits has one entry per step that drafted, in step order ([] without a confidence head).
         steps = [(d, a) for d, a in zip(gen.drafted, gen.accepted) if d > 0]
         for (drafted, accepted), z in zip(steps, gen.confidence_logits):
+            if not z:
+                continue
             padded = list(z[:positions]) + [0.0] * (positions - min(len(z), positions))
             rows_z.append(padded)
             rows_drafted.append([j < drafted for j in range(positions)])

@@ -13,7 +13,8 @@ Why it is faster than calling the HF model (measured on 2-core EPYCs, fp32, docs
 - Logits are computed only for the positions asked for, hidden states only for the layers a drafter reads.
 
 It reuses the HF model's own weights, embedding, rotary embedding and `apply_rotary_pos_emb`; nothing of
-the modeling file is copied. tests/test_fast_target.py holds it to the HF model (logits within 1e-4,
+the modeling file is copied. The reordered weights are a second copy of the linear layers (the HF model keeps
+its own for the reference path, HF baselines and training): about 540 MB more for the embedded target in fp32. tests/test_fast_target.py holds it to the HF model (logits within 1e-4,
 the same greedy tokens) on tiny random Llama/Qwen models and on the embedded target.
 """
 
@@ -105,6 +106,16 @@ def _fused(linears: list[torch.nn.Linear], onednn: bool) -> PackedLinear:
         bias = torch.cat([b if b is not None else linear.weight.new_zeros(linear.out_features)
                           for b, linear in zip(biases, linears)])
     return PackedLinear(weight, bias, onednn)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama/Qwen RMSNorm. float32: the fused kernel (the same function). Other dtypes: HF's own order of
+    roundings (normalize in fp32, round to the dtype, then scale by the weight in the dtype); the fused kernel
+    scales in fp32 and rounds once, which moved bf16 argmaxes at about 2.5% of positions of a tiny model."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    wide = x.float()
+    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _norm_eps(norm: torch.nn.Module) -> float:
@@ -263,12 +274,12 @@ class FastTarget:
         saved = {0: hidden} if 0 in wanted else {}
         flat = hidden.reshape(batch * width, -1)  # (N, H), N = B*T
         for index, (layer, kv) in enumerate(zip(self.layers, cache.layers)):
-            flat = flat + self._attention(layer, kv, F.rms_norm(flat, flat.shape[-1:], *layer.input_norm),
+            flat = flat + self._attention(layer, kv, rms_norm(flat, *layer.input_norm),
                                           batch, width, cos, sin, mask)
-            flat = flat + self._mlp(layer, F.rms_norm(flat, flat.shape[-1:], *layer.post_norm))
+            flat = flat + self._mlp(layer, rms_norm(flat, *layer.post_norm))
             if index + 1 in wanted and index + 1 < len(self.layers):
                 saved[index + 1] = flat.view(batch, width, -1)
-        final = F.rms_norm(flat, flat.shape[-1:], *self.norm)  # (N, H)
+        final = rms_norm(flat, *self.norm)  # (N, H)
         if len(self.layers) in wanted:
             saved[len(self.layers)] = final.view(batch, width, -1)
         keep = width if logits_to_keep in (0, None) else min(logits_to_keep, width)
@@ -284,8 +295,8 @@ class FastTarget:
         q = q.view(batch, width, -1, self.head_dim)
         k = k.view(batch, width, -1, self.head_dim)
         if layer.q_norm is not None:
-            q = F.rms_norm(q, q.shape[-1:], *layer.q_norm)
-            k = F.rms_norm(k, k.shape[-1:], *layer.k_norm)
+            q = rms_norm(q, *layer.q_norm)
+            k = rms_norm(k, *layer.k_norm)
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = v.view(batch, width, -1, self.head_dim).transpose(1, 2)
         keys, values = kv.append(k, v)  # (B, kvh, S+T, D)

@@ -30,7 +30,8 @@ class Generation:
     output_ids: list[int]
     drafted: list[int] = field(default_factory=list)  # per verify step: tokens drafted and verified
     accepted: list[int] = field(default_factory=list)  # per verify step: drafted tokens accepted
-    # per verify step with a confidence head: its raw logits for the positions drafted (calibration data)
+    # per verify step that drafted: the confidence head's raw logits for the positions drafted (calibration
+    # data), [] where the proposal had none (lookup, a hybrid's lookup steps, standalone models)
     confidence_logits: list[list[float]] = field(default_factory=list)
     ttft_s: float = 0.0
     total_s: float = 0.0
@@ -118,8 +119,9 @@ def record_step(result: Generation, context: list[int], proposal: Proposal, num_
     context.extend(kept)
     result.drafted.append(len(proposal.tokens))
     result.accepted.append(num_accepted)
-    if proposal.confidence_logits is not None:
-        result.confidence_logits.append(proposal.confidence_logits.tolist())
+    if proposal.tokens:  # one entry per drafting step keeps them aligned with `drafted` (oracle, calibration)
+        logits = proposal.confidence_logits
+        result.confidence_logits.append([] if logits is None else logits.tolist())
     return any(t in eos_ids for t in kept)
 
 

@@ -75,7 +75,8 @@ def oracle_ceiling(results: dict[str, list[Generation]], prompt_lengths: list[in
 
 def first_position_steps(prompt_length: int, generation: Generation) -> list[tuple[int, float, bool, int]]:
     """(context length, raw confidence logit z_1, position 1 survived, tokens kept) of each step that
-    drafted with a confidence head; the logits are recorded one per such step, in step order."""
+    drafted with a confidence head; the logits are recorded one per drafting step, in step order ([] for
+    steps drafted without one, e.g. a hybrid's lookup steps)."""
     drafting = [step for step in step_contexts(prompt_length, generation) if step[1] > 0]
     return [(context, logits[0], accepted >= 1, kept)
             for (context, _, accepted, kept), logits in zip(drafting, generation.confidence_logits) if logits]

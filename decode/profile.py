@@ -6,7 +6,7 @@ the ragged batched session), and the drafter's seconds as a function of drafted 
 pass plus per-position LM head / Markov / confidence steps) and, for block drafters, of the number
 of requests drafting together in one batched pass. Measured once per fingerprint of the
 machine (CPU model, threads, torch), dtype, target and drafter, then read from
-~/.cache/specdraft/profiles/<hash>.json; the bench records which profile it used.
+~/.cache/specdraft/profiles/<hash>.json (SPECDRAFT_PROFILE_DIR moves it); the bench records which profile it used.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
     fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes,
                                       context_length, contexts)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
-    path = Path(cache_dir or CACHE_DIR) / f"{key}.json"
+    path = Path(cache_dir or os.environ.get("SPECDRAFT_PROFILE_DIR") or CACHE_DIR) / f"{key}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text())
@@ -299,11 +299,14 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
             pass  # unreadable or stale: measure again and overwrite
     verify = measure_verify(model, proposer.feature_layers if proposer else (), block_size + 1, batch_sizes,
                             context_length, repeats)
-    draft = measure_draft(proposer, model, context_length, block_size, repeats)
-    draft_batched = measure_draft_batched(proposer, model, context_length, block_size, batch_sizes, repeats)
+    # A hybrid's drafting curve is its trained part's: its lookup steps are priced without drafting
+    # (CostRule.without_drafting), and a random context could otherwise time a lookup instead.
+    drafting = getattr(proposer, "trained", proposer)
+    draft = measure_draft(drafting, model, context_length, block_size, repeats)
+    draft_batched = measure_draft_batched(drafting, model, context_length, block_size, batch_sizes, repeats)
     feature_layers = proposer.feature_layers if proposer else ()
     by_context = {str(c): {"verify": measure_single_verify(model, feature_layers, block_size + 1, c, repeats),
-                           "draft": measure_draft(proposer, model, c, block_size, repeats)} for c in contexts} or None
+                           "draft": measure_draft(drafting, model, c, block_size, repeats)} for c in contexts} or None
     profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length,
                           draft_batched=draft_batched, by_context=by_context)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -123,6 +123,7 @@ class SurvivalStats:
     def __init__(self, buckets: int, positions: int = 16):
         self.tries = [[0] * positions for _ in range(buckets + 1)]
         self.hits = [[0] * positions for _ in range(buckets + 1)]
+        self.declined = [0] * (buckets + 1)  # proposals of each match length that a rule cut to nothing
 
     def confidences(self, bucket: int, length: int) -> torch.Tensor:
         """c_1..c_length for a proposal from a match of `bucket` tokens (positions past the tracked ones
@@ -152,6 +153,7 @@ class NgramProposer:
 
     feature_layers = ()
     cheap = True
+    PROBE_EVERY = 8
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int | None = None,
                  share_stats: bool = True, stats: SurvivalStats | None = None):
@@ -182,8 +184,15 @@ class NgramProposer:
         if rule is not None:  # cut here, so what is remembered is what gets verified
             values = confidence.tolist()
             keep = next((j for j in range(len(values)) if not rule.verify(values[: j + 1])), len(values))
+            if keep == 0:
+                # A match length the rule keeps declining would never be verified again, so its estimate could
+                # never recover (a few early rejections would switch lookup off for it for good): every
+                # PROBE_EVERY-th declined proposal of a match length verifies its first position anyway.
+                self.stats.declined[matched] += 1
+                keep = int(self.stats.declined[matched] % self.PROBE_EVERY == 0)
         self.pending = (len(context_ids), matched, keep)
-        return Proposal(tokens[:keep], confidence=confidence[:keep])
+        # scheduled: cut by the rule here (a probe included), so the loop must not cut it again
+        return Proposal(tokens[:keep], confidence=confidence[:keep], scheduled=rule is not None)
 
     def commit(self, context_ids, features):
         # The step kept its accepted drafts and the target's own token: accepted = new tokens - 1. (Under
@@ -464,7 +473,9 @@ class HybridProposer:
     With a rule that prices steps (scheduler=cost), a lookup proposal is priced without the drafter's
     drafting time: its drafting is a scan of the context. Where lookup has a match but the rule declines it
     (its confidence is too low to pay), the drafter drafts instead. The loop never backs off from a hybrid
-    (`cheap`): it backs off its drafter part itself (the rule's max_skip), and keeps looking up meanwhile."""
+    (`cheap`): it backs off its drafter part itself (the rule's max_skip), and keeps looking up meanwhile.
+    Under scheduler=load (batched engine) the rule is batch-wide, so neither backs off, and the hybrid drafts
+    request by request (the batched backbone pass serves plain block drafters only)."""
 
     cheap = True
 

@@ -12,10 +12,13 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _profile_cache(tmp_path_factory, monkeypatch):
-    """Cost profiles measured by tests go to a temporary folder, never to the user's cache."""
+    """Cost profiles measured by tests go to a temporary folder, never to the user's cache (the environment
+    variable reaches the entry points that tests start as subprocesses)."""
     import decode.profile
 
-    monkeypatch.setattr(decode.profile, "CACHE_DIR", tmp_path_factory.getbasetemp() / "profiles")
+    folder = tmp_path_factory.getbasetemp() / "profiles"
+    monkeypatch.setattr(decode.profile, "CACHE_DIR", folder)
+    monkeypatch.setenv("SPECDRAFT_PROFILE_DIR", str(folder))
 
 
 def tiny_llama(seed: int, vocab_size: int = 64, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:

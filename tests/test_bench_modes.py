@@ -14,12 +14,11 @@ from tests.test_bench import bench_config
 @pytest.fixture()
 def tiny_export(tiny_model_dir, tmp_path, monkeypatch):
     """A dspark export for the tiny target; cost profiles go to a temporary cache."""
-    import decode.profile
     from train.drafter import BlockDrafter
     from train.export import save_drafter
     from train.target import load_target
 
-    monkeypatch.setattr(decode.profile, "CACHE_DIR", tmp_path / "profiles")
+    monkeypatch.setenv("SPECDRAFT_PROFILE_DIR", str(tmp_path / "profiles"))
     target = load_target(tiny_model_dir, "float32")
     torch.manual_seed(0)
     drafter = BlockDrafter(target.model.config, 1, 2, block_size=3, mask_token_id=0, markov_rank=8)

@@ -90,3 +90,18 @@ def test_the_drafter_part_backs_off_while_lookup_keeps_drafting(monkeypatch):
     assert out == hf_greedy(target, prompt, 40)
     steps_without_lookup = sum(part != "lookup" for part in parts)
     assert "lookup" in parts and 0 < len(calls) < steps_without_lookup  # the drafter was probed, then skipped
+
+
+def test_confidence_logits_stay_aligned_with_drafting_steps(monkeypatch):
+    """One entry per drafting step ([] for lookup steps), so the oracle's confidence cut and calibration pair
+    each drafter z_1 with its own step's outcome."""
+    from decode.oracle import first_position_steps
+
+    target, proposer = hybrid()
+    parts = record_parts(monkeypatch)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 10, 11, 12, 13]
+    gen = speculative_generate(CausalSession(target, proposer.feature_layers), prompt, proposer, Sampler(), 30, 4)
+    drafted_by = [part for part, d in zip(parts, gen.drafted) if d > 0]
+    assert len(gen.confidence_logits) == len(drafted_by)
+    assert [bool(z) for z in gen.confidence_logits] == [part == "trained" for part in drafted_by]
+    assert len(first_position_steps(len(prompt), gen)) == drafted_by.count("trained")

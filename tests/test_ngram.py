@@ -95,3 +95,24 @@ def test_no_backoff_for_prompt_lookup(target_model):
 
     rule = CostRule(synthetic_profile(), max_skip=8)
     assert make_backoff(rule, NgramProposer()) is None and make_backoff(rule, object()) is not None
+
+
+def test_a_declined_match_length_is_probed_now_and_then_so_its_estimate_can_recover(target_model):
+    """A threshold above every current estimate would otherwise switch lookup off for good."""
+    proposer = NgramProposer(max_ngram=2)
+    context = [1, 2, 3, 4, 1, 2]
+    rule = ThresholdRule(0.6)  # above the 0.5 prior
+    kept = [len(proposer.propose(context, 4, Sampler(), None, rule).tokens) for _ in range(16)]
+    assert kept == ([0] * 7 + [1]) * 2  # every PROBE_EVERY-th declined proposal verifies its first position
+    proposer.commit(context + [3, 4], None)  # the probe was accepted (then the target's own token)
+    assert proposer.stats.confidences(2, 1).item() == pytest.approx(2 / 3)
+    assert len(proposer.propose(context, 4, Sampler(), None, rule).tokens) >= 1  # now above the threshold
+
+
+def test_the_probe_reaches_the_target(target_model):
+    """The loop does not recut a proposal the lookup already cut with the step's rule (its probe included)."""
+    from decode.generate import draft
+
+    proposer = NgramProposer(max_ngram=2)
+    proposer.stats.declined[2] = NgramProposer.PROBE_EVERY - 1
+    assert draft(proposer, [1, 2, 3, 4, 1, 2], 4, Sampler(), None, ThresholdRule(0.6)).tokens == [3]

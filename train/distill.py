@@ -62,6 +62,9 @@ class ValidateConfig:
     max_new_tokens: int = 64
     num_draft: int | None = None  # None: block_size
     speed_dtype: str = "auto"  # the speed pass's target.dtype (auto: bfloat16 only where it is native)
+    # the speed pass's scheduler: cost (verify lengths priced on this machine's measured profile, for drafters
+    # with a confidence head; others fall back to fixed) or fixed (every drafted position verified)
+    scheduler: str = "cost"
 
 
 @dataclass
@@ -192,7 +195,9 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
     if cfg.validate.num_prompts == 0:
         return dict.fromkeys(("lossless", "tau", "speedup_vs_plain", "match_rate", "tau_float32", "acceptance_by_position"))
     from decode.bench import run_bench
-    from decode.config import BenchConfig, BenchSettings, DataConfig, DecodeConfig, ProposerConfig
+    from decode.config import BenchConfig, BenchSettings, DataConfig, DecodeConfig, ProposerConfig, SchedulerConfig
+
+    scheduler = cfg.validate.scheduler if cfg.drafter.mode == "dspark" else "fixed"  # cost reads a confidence head
 
     def bench(dtype: str, name: str) -> dict:
         bench_cfg = BenchConfig(
@@ -201,7 +206,9 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
             proposer=ProposerConfig(name="model" if cfg.drafter.mode == "standalone" else "drafter", path=str(export)),
             data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
             decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
-            bench=BenchSettings(num_prompts=cfg.validate.num_prompts, seed=cfg.trainer.seed, baselines=False),
+            scheduler=SchedulerConfig(name=scheduler),
+            bench=BenchSettings(num_prompts=cfg.validate.num_prompts, seed=cfg.trainer.seed, baselines=False,
+                                concurrency=[1]),  # one request: the profile needs no batched curves
             out_dir=str(run_dir / "validate" / name),
         )
         return run_bench(bench_cfg)
