@@ -237,11 +237,12 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None, help="an export folder (adds our drafter and hybrid rows)")
-    parser.add_argument("--data", default="mtbench")
+    parser.add_argument("--data", default="mtbench", help="mtbench | sharegpt_heldout | jsonl (with --data-path)")
+    parser.add_argument("--data-path", default=None)
     parser.add_argument("--categories", nargs="*", default=None)
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -252,7 +253,7 @@ def main() -> None:
     parser.add_argument("--scheduler", choices=["fixed", "cost"], default="cost")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("peers"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from decode.backend import build_backend
     from decode.bench import eos_ids, run_interleaved, strip_generation_defaults
@@ -265,7 +266,7 @@ def main() -> None:
     backend = build_backend(target.model)
     stop = eos_ids(target)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
-    prompts = load_prompts(args.data, None, args.num_prompts, categories=args.categories)
+    prompts = load_prompts(args.data, args.data_path, args.num_prompts, categories=args.categories)
     encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
     methods, described = python_methods(args, target, backend, stop, pad)
     results = run_interleaved(list(methods), lambda kind, index, ids: methods[kind](index, ids), encoded)

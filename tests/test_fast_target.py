@@ -14,13 +14,15 @@ from decode.batch_generate import LoadPolicy
 from decode.batch_session import BatchedSession
 from decode.fast_target import FastTarget, Unsupported
 from decode.generate import speculative_generate
-from decode.proposer import BlockDrafterProposer, ModelProposer, NgramProposer, NoProposer, gives_confidence
+from decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, ModelProposer, NgramProposer,
+                             NoProposer, gives_confidence)
 from decode.sampling import Sampler
 from decode.scheduler import CostRule, ThresholdRule
 from decode.session import CausalSession
 from tests.conftest import hf_greedy, tiny_llama
 from tests.test_batch import EOS, LIMITS, PROMPTS, batch1, batched, cheap_profile, synthetic_profile
 from tests.test_drafter import make_drafter
+from tests.test_eagle3 import make_eagle
 
 ATOL = 1e-5  # tiny models in fp32 differ by ~1e-6 (another summation order); the real target test holds 1e-4
 
@@ -134,6 +136,10 @@ def proposer_cases():
     draft_model.load_state_dict(target.state_dict(), strict=False)
     yield "model", target, ModelProposer(draft_model), 3
     yield "plain", target, NoProposer(), 0
+    yield "hybrid", target, HybridProposer(NgramProposer(max_ngram=2, share_stats=False),
+                                           BlockDrafterProposer(drafter, (1, 2))), 4
+    eagle_target, eagle = make_eagle()
+    yield "eagle3", eagle_target, Eagle3Proposer(eagle, (1, 2)), 3
 
 
 RULES = {"fixed": None, "threshold": ThresholdRule(0.5), "cost": CostRule(synthetic_profile(per_token=0.004), max_skip=4)}
