@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from decode.fast_target import FastTarget, Unsupported, onednn_ok, unsupported_reason
+from specdraft.decode.fast_target import FastTarget, Unsupported, onednn_ok, unsupported_reason
 
 BACKEND_NAMES = ("auto", "fast", "hf")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.proposer import BlockDrafterProposer, Proposal, pick_draft_token
-from decode.sampling import Sampler
+from specdraft.decode.proposer import BlockDrafterProposer, Proposal, pick_draft_token
+from specdraft.decode.sampling import Sampler
 
 
 def can_batch(proposers: list) -> bool:

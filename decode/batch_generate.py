@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.batch_draft import can_batch, propose_blocks
-from decode.batch_session import BatchedSession
-from decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
-from decode.proposer import NoProposer, Proposal
-from decode.sampling import Sampler
-from decode.scheduler import (FixedRule, at, backoff_count, can_pay, cut, load_admits_any, load_pays, load_schedule, make_backoff,
+from specdraft.decode.batch_draft import can_batch, propose_blocks
+from specdraft.decode.batch_session import BatchedSession
+from specdraft.decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
+from specdraft.decode.proposer import NoProposer, Proposal
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import (FixedRule, at, backoff_count, can_pay, cut, load_admits_any, load_pays, load_schedule, make_backoff,
                               worth_drafting)
 
 

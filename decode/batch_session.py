@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.backend import as_backend
+from specdraft.decode.backend import as_backend
 
 
 class BatchedSession:

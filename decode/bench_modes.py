@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decode.batch_generate import LoadPolicy, Request, batched_generate
-from decode.bench import _atomic_write, repeat_report, run_interleaved, target_report
-from decode.generate import speculative_generate
-from decode.metrics import acceptance_stats, timing_stats
-from decode.oracle import oracle_ceiling
-from decode.proposer import NoProposer, gives_confidence
-from decode.sampling import Sampler
-from decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
-from decode.session import CausalSession
+from specdraft.decode.batch_generate import LoadPolicy, Request, batched_generate
+from specdraft.decode.bench_setup import atomic_write, repeat_report, run_interleaved, target_report
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.metrics import acceptance_stats, timing_stats
+from specdraft.decode.oracle import oracle_ceiling
+from specdraft.decode.proposer import NoProposer, gives_confidence
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
+from specdraft.decode.session import CausalSession
 
 
 def _config(bench) -> dict:
@@ -40,7 +40,7 @@ def _write(bench, name: str, summary: dict) -> dict:
     summary.update(target_report(bench))
     out = Path(bench.cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / name, json.dumps(summary, indent=2) + "\n")
+    atomic_write(out / name, json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -206,7 +206,7 @@ def plot_load(table: list[dict], path: Path) -> Path:
 def run_calibrate(bench) -> dict:
     """Decode held-out prompts with every position verified, per temperature bucket; fit on half the
     prompts, report on the other half, store the temperatures in the export."""
-    from decode.calibrate import fit_bucket, plot_reliability, write_calibration
+    from specdraft.decode.calibrate import fit_bucket, plot_reliability, write_calibration
 
     cfg, proposer = bench.cfg, bench.proposer
     if getattr(getattr(proposer, "drafter", None), "confidence_head", None) is None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from decode.calibration import calibration_report, fit_sequential_temperatures
-from decode.generate import Generation
+from specdraft.decode.calibration import calibration_report, fit_sequential_temperatures
+from specdraft.decode.generate import Generation
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -89,7 +89,7 @@ def plot_reliability(buckets: dict, path: Path, bins: int = 10) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from decode.calibration import cumulative_survival
+    from specdraft.decode.calibration import cumulative_survival
 
     fig, axes = plt.subplots(len(buckets), 2, figsize=(10, 4 * len(buckets)), squeeze=False)
     for row, (name, bucket) in enumerate(buckets.items()):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from train.config import TargetConfig
+from specdraft.io.config import TargetConfig
 
 PROPOSERS = ("ngram", "model", "drafter", "hybrid")
 

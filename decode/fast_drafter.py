@@ -17,7 +17,7 @@ import itertools
 import torch
 from torch import nn
 
-from decode.fast_target import PackedLinear, onednn_ok
+from specdraft.decode.fast_target import PackedLinear, onednn_ok
 
 
 class PackedLinearModule(nn.Module):

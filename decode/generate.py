@@ -16,11 +16,11 @@ from typing import Callable
 
 import torch
 
-from decode.proposer import Proposal, Proposer
-from decode.sampling import Sampler, sample
-from decode.scheduler import at, backoff_count, cut, make_backoff, worth_drafting
-from decode.session import CausalSession
-from decode.verifier import greedy_accept, rejection_accept
+from specdraft.decode.proposer import Proposal, Proposer
+from specdraft.decode.sampling import Sampler, sample
+from specdraft.decode.scheduler import at, backoff_count, cut, make_backoff, worth_drafting
+from specdraft.decode.session import CausalSession
+from specdraft.decode.verifier import greedy_accept, rejection_accept
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decode.generate import Generation
+from specdraft.decode.generate import Generation
 
 
 def acceptance_stats(generations: list[Generation]) -> dict:

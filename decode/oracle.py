@@ -16,7 +16,7 @@ confidence head cannot see; its gain over the cost scheduler is what the schedul
 
 from __future__ import annotations
 
-from decode.generate import Generation
+from specdraft.decode.generate import Generation
 
 
 def step_contexts(prompt_length: int, generation: Generation) -> list[tuple[int, int, int, int]]:

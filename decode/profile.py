@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from decode.backend import as_backend
-from decode.batch_draft import propose_blocks
-from decode.batch_session import BatchedSession
-from decode.proposer import BlockDrafterProposer
-from decode.sampling import Sampler
-from decode.session import CausalSession
-from train.hardware import cpu_model, native_bf16
+from specdraft.decode.backend import as_backend
+from specdraft.decode.batch_draft import propose_blocks
+from specdraft.decode.batch_session import BatchedSession
+from specdraft.decode.proposer import BlockDrafterProposer
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.session import CausalSession
+from specdraft.io.hardware import cpu_model, native_bf16
 
 CACHE_DIR = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "profiles"
 

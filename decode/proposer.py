@@ -16,9 +16,9 @@ from typing import Protocol
 
 import torch
 
-from decode.backoff import Backoff
-from decode.sampling import Sampler, sample
-from decode.session import CausalSession
+from specdraft.decode.backoff import Backoff
+from specdraft.decode.sampling import Sampler, sample
+from specdraft.decode.session import CausalSession
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 
-from decode.backoff import Backoff
-from decode.proposer import Proposal
+from specdraft.decode.backoff import Backoff
+from specdraft.decode.proposer import Proposal
 
 SCHEDULERS = ("fixed", "threshold", "cost", "load")
 

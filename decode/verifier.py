@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.sampling import sample
+from specdraft.decode.sampling import sample
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,14 +59,15 @@ def train_mode(mode: str, out: Path, experiment: str, overrides: list[str]) -> d
 def bench_one(target, proposers: dict, num_draft: dict, layers: tuple, data: str, temperature: float, num_prompts: int,
               max_new_tokens: int, seed: int) -> dict:
     """Plain decoding and every proposer on the same prompts, interleaved; statistics per method."""
-    from decode.backend import build_backend
-    from decode.bench import eos_ids, run_interleaved
-    from decode.generate import speculative_generate
-    from decode.metrics import acceptance_stats, timing_stats
-    from decode.proposer import NoProposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
-    from train.data import chat_prompt_ids, load_prompts
+    from specdraft.decode.backend import build_backend
+    from specdraft.decode.bench_setup import run_interleaved
+    from specdraft.io.target import eos_ids
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.metrics import acceptance_stats, timing_stats
+    from specdraft.decode.proposer import NoProposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
+    from specdraft.io.data import chat_prompt_ids, load_prompts
 
     sampler = Sampler(temperature)
     prompts = load_prompts(data, None, num_prompts)
@@ -138,10 +139,10 @@ def main() -> None:
     out = args.out.resolve()
     trained = {mode: train_mode(mode, out, args.experiment, args.overrides) for mode in args.modes}
 
-    from decode.bench import strip_generation_defaults
-    from decode.proposer import BlockDrafterProposer, Eagle3Proposer, load_model_proposer
-    from train.export import load_drafter
-    from train.target import load_target
+    from specdraft.decode.bench_setup import strip_generation_defaults
+    from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer, load_model_proposer
+    from specdraft.models.export import load_drafter
+    from specdraft.io.target import load_target
 
     target = load_target(trained[args.modes[0]]["config"]["target"]["name_or_path"], args.dtype, args.threads)
     strip_generation_defaults(target.model)

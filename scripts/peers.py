@@ -44,14 +44,14 @@ def llama_bin_dir() -> Path | None:
 
 def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[dict, dict]:
     """name -> run(index, ids) for every Python method, and name -> how it was configured."""
-    from decode.bench import hf_generate
-    from decode.generate import speculative_generate
-    from decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, NoProposer, load_model_proposer
-    from decode.sampling import Sampler
-    from decode.scheduler import CostRule
-    from decode.session import CausalSession
-    from decode.fast_drafter import drafter_for_backend
-    from train.export import load_drafter
+    from specdraft.decode.bench_setup import hf_generate
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, NoProposer, load_model_proposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.scheduler import CostRule
+    from specdraft.decode.session import CausalSession
+    from specdraft.decode.fast_drafter import drafter_for_backend
+    from specdraft.models.export import load_drafter
 
     sampler = Sampler(args.temperature)
     plain_session = CausalSession(backend)
@@ -75,7 +75,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         trained = BlockDrafterProposer(drafter, layers)
         calibration = Path(args.drafter) / "calibration.json"
         if calibration.is_file():
-            from decode.calibrate import read_calibration
+            from specdraft.decode.calibrate import read_calibration
 
             trained.calibration = read_calibration(calibration)
         proposers["ours_drafter"] = (trained, drafter.block_size)
@@ -83,7 +83,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         described["ours_drafter"] = f"{args.drafter} (block {drafter.block_size}), scheduler={args.scheduler}"
         described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
     if args.scheduler == "cost":
-        from decode.profile import load_or_measure
+        from specdraft.decode.profile import load_or_measure
 
         # One profile for every method: the verify curve is the target's; the drafting curve the drafter's
         # (lookup is priced without it, decode/proposer.py), or the lookup's own where there is no drafter.
@@ -124,7 +124,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
 
 def llama_rows(args, texts: list[str], bin_dir: Path | None) -> dict:
     """llama.cpp's plain and prompt-lookup decoding on the same prompts, and its batched-forward curve."""
-    from train.target import _gguf_file
+    from specdraft.io.target import _gguf_file
 
     names = ("llama_cpp_plain", "llama_cpp_ngram")
     if bin_dir is None or args.target != "smollm2-135m-instruct":
@@ -174,7 +174,7 @@ def llama_rows(args, texts: list[str], bin_dir: Path | None) -> dict:
 
 
 def summarize(results: dict, reference: str = "hf_generate") -> dict:
-    from decode.metrics import acceptance_stats, timing_stats
+    from specdraft.decode.metrics import acceptance_stats, timing_stats
 
     plain = timing_stats(results["ours_plain"])
     plain_decode = 1 / plain["tpot_s"]
@@ -255,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("peers"))
     args = parser.parse_args(argv)
 
-    from decode.backend import build_backend
-    from decode.bench import eos_ids, run_interleaved, strip_generation_defaults
-    from train.data import chat_prompt_ids, load_prompts
-    from train.hardware import cpu_model
-    from train.target import load_target
+    from specdraft.decode.backend import build_backend
+    from specdraft.decode.bench_setup import run_interleaved, strip_generation_defaults
+    from specdraft.io.target import eos_ids
+    from specdraft.io.data import chat_prompt_ids, load_prompts
+    from specdraft.io.hardware import cpu_model
+    from specdraft.io.target import load_target
 
     target = load_target(args.target, "float32")
     strip_generation_defaults(target.model)

@@ -125,9 +125,9 @@ def backend_curve(backend, contexts: list[int], tokens: list[int], repeats: int)
 
 
 def measure(args) -> dict:
-    from decode.backend import build_backend, fast_unavailable
-    from train.hardware import cpu_model, native_bf16
-    from train.target import load_target
+    from specdraft.decode.backend import build_backend, fast_unavailable
+    from specdraft.io.hardware import cpu_model, native_bf16
+    from specdraft.io.target import load_target
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     result = {"machine": {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),

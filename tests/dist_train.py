@@ -17,15 +17,15 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from tests.conftest import tiny_llama  # noqa: E402
-from tests.test_trainer import examples, fresh_drafter  # noqa: E402
-from train.config import TrackingConfig, TrainerConfig  # noqa: E402
-from train.distributed import full_parameters, make_accelerator, shutdown  # noqa: E402
+from tests.helpers import tiny_llama  # noqa: E402
+from tests.helpers import examples, fresh_drafter  # noqa: E402
+from specdraft.train.config import TrackingConfig, TrainerConfig  # noqa: E402
+from specdraft.train.distributed import full_parameters, make_accelerator, shutdown  # noqa: E402
 
 
 def record_writes(run_dir: Path, log: list) -> None:
     """Log every file this process writes under run_dir (torch.save, safetensors, write_text)."""
-    import train.checkpoint as checkpoint
+    import specdraft.train.checkpoint as checkpoint
 
     def wrap(fn, path_arg):
         def inner(*args, **kwargs):
@@ -47,7 +47,7 @@ def main() -> None:
     accelerator = make_accelerator(cfg)
     writes: list[str] = []
     record_writes(run_dir, writes)
-    from train.trainer import train
+    from specdraft.train.trainer import train
 
     target = tiny_llama(0)
     drafter = fresh_drafter(target)

@@ -5,55 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.batch_generate import LoadPolicy, Request, batched_generate
-from decode import batch_session
-from decode.batch_session import BatchedSession, row_mask
-from decode.generate import speculative_generate
-from decode.profile import CostProfile
-from decode.proposer import BlockDrafterProposer, ModelProposer, NoProposer, Proposal
-from decode.sampling import Sampler
-from decode.scheduler import CostRule, ThresholdRule, cut
-from decode.session import CausalSession
-from tests.conftest import hf_greedy, tiny_llama
-from tests.test_drafter import make_drafter
-
-PROMPTS = [[2, 7, 1, 8, 2, 8], [3, 1], [4, 1, 5, 9, 2, 6, 5, 3, 5], [9, 9, 8], [5, 6, 7, 1]]
-LIMITS = [14, 9, 20, 1, 12]  # one request stops after its first token; the others leave at different steps
-EOS = [13]
-
-
-def synthetic_profile(rows=(1, 2, 4), length=5, per_token=0.002) -> CostProfile:
-    """Verify time grows with tokens (rows × length); drafting costs a little per position."""
-    table = {str(r): [0.010 + per_token * r * n for n in range(1, length + 1)] for r in rows}
-    return CostProfile(fingerprint={}, verify={"single": {"1": table["1"]}, "batched": table},
-                       draft=[0.003 + 0.001 * n for n in range(length)], context_length=16)
-
-
-def cheap_profile(rows=(1, 2, 4), length=5) -> CostProfile:
-    """Drafting and one more verified position both cheap: load admission has to beat plain decoding
-    (drafting included) and often does."""
-    profile = synthetic_profile(rows=rows, length=length, per_token=0.00002)
-    profile.draft_batched = {"1": [1e-5] * length, str(max(rows)): [1e-5] * length}
-    return profile
-
-
-def dear_profile(rows=(1, 2, 4), length=5) -> CostProfile:
-    """A compute-bound engine: a verified token costs as much as a whole plain step's share, and drafting
-    is dear, so no draft could pay even if every position survived."""
-    profile = synthetic_profile(rows=rows, length=length, per_token=0.02)
-    profile.draft = [0.2] * length
-    profile.draft_batched = {"1": [0.05] * length, str(max(rows)): [0.2] * length}
-    return profile
-
-
-def context_profile(length=5) -> CostProfile:
-    """synthetic_profile at context 2, plus one-request curves at context 12 where a step costs more
-    but one more verified position costs much less (attention dominates a long context's step)."""
-    profile = synthetic_profile(length=length, per_token=0.004)
-    profile.context_length = 2
-    profile.by_context = {"12": {"verify": [0.030 + 0.0005 * n for n in range(1, length + 1)],
-                                 "draft": [0.003 + 0.001 * n for n in range(length)]}}
-    return profile
+from specdraft.decode.batch_generate import LoadPolicy
+from specdraft.decode import batch_session
+from specdraft.decode.batch_session import BatchedSession, row_mask
+from specdraft.decode.proposer import BlockDrafterProposer, ModelProposer, NoProposer, Proposal
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import CostRule, ThresholdRule, cut
+from specdraft.decode.session import CausalSession
+from tests.helpers import hf_greedy, tiny_llama
+from tests.helpers import make_drafter
+from tests.helpers import EOS, LIMITS, PROMPTS, batch1, batched, cheap_profile, context_profile, dear_profile, synthetic_profile
 
 
 def test_profile_prices_a_step_at_its_context():
@@ -82,22 +43,6 @@ def test_batched_draft_time_comes_from_its_own_curve():
     assert profile.draft_rows_s([3] * 8) == pytest.approx(0.032)  # beyond them: proportional to rows
     assert profile.draft_rows_s([7]) == pytest.approx(0.010)  # past the measured lengths: the longest measured
     assert profile.draft_rows_s([]) == 0
-
-
-def batch1(model, proposer, sampler, num_draft, rule=None, seed=0):
-    session = CausalSession(model, proposer.feature_layers)
-    outs = []
-    for i, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
-        generator = torch.Generator().manual_seed(seed + i)
-        outs.append(speculative_generate(session, prompt, proposer.clone(), sampler, limit, num_draft, EOS, rule,
-                                         generator).output_ids)
-    return outs
-
-
-def batched(model, proposer, sampler, num_draft, rule=None, seed=0, concurrency=3, load=None):
-    requests = [Request(p, n, torch.Generator().manual_seed(seed + i)) for i, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
-    gens = batched_generate(model, requests, proposer, sampler, num_draft, EOS, rule, load, concurrency)
-    return [g.output_ids for g in gens], gens
 
 
 def proposers():
@@ -165,7 +110,7 @@ def test_load_scheduler_runs_no_drafter_where_no_admission_can_pay(monkeypatch):
 
 
 def test_load_scheduler_backs_off_batch_wide_when_nothing_is_admitted(monkeypatch):
-    from decode.scheduler import LoadRule
+    from specdraft.decode.scheduler import LoadRule
 
     target, drafter = make_drafter("dspark")
     passes = count_backbone_passes(monkeypatch, drafter)

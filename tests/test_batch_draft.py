@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.batch_draft import can_batch, propose_blocks
-from decode.proposer import BlockDrafterProposer
-from decode.sampling import Sampler
-from decode.scheduler import ThresholdRule
-from tests.conftest import tiny_llama
-from train.drafter import BlockDrafter
+from specdraft.decode.batch_draft import can_batch, propose_blocks
+from specdraft.decode.proposer import BlockDrafterProposer
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import ThresholdRule
+from tests.helpers import tiny_llama
+from specdraft.models.drafter import BlockDrafter
 
 LENGTHS = [5, 11, 1, 8]  # context positions per request: the caches are ragged
 LIMITS = [4, 2, 0, 3]  # one request drafts nothing this step

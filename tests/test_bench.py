@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from decode.bench import run_bench
-from decode.config import register_configs
+from specdraft.decode.bench import run_bench
+from tests.helpers import bench_config
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {
@@ -20,12 +18,6 @@ RESULT_KEYS = {
     "acceptance_by_position", "mean_draft_len", "fallbacks", "ttft_s", "tpot_s", "peak_rss_mb", "lossless",
     "match_rate", "config",
 }
-
-
-def bench_config(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return OmegaConf.to_object(compose("bench", overrides=overrides))
 
 
 @pytest.mark.parametrize("proposer", [["proposer=ngram"], ["proposer=model", "proposer.num_layers=1"]])
@@ -78,11 +70,11 @@ def test_sampled_plain_loop_equals_hf_generate_with_same_seed(target_model, sett
     """Same seed, same RNG use: our sampling must pick exactly HF generate's tokens (HF semantics)."""
     import torch
 
-    from decode.bench import hf_generate, strip_generation_defaults
-    from decode.generate import speculative_generate
-    from decode.proposer import NoProposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
+    from specdraft.decode.bench_setup import hf_generate, strip_generation_defaults
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.proposer import NoProposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
 
     sampler = Sampler(**settings)
     target_model.generation_config.top_k = 3  # a checkpoint default that must not leak into HF's run
@@ -99,8 +91,8 @@ def test_sampled_plain_loop_equals_hf_generate_with_same_seed(target_model, sett
 def test_repeats_keep_the_fastest_run_and_rotate_the_order():
     """bench.repeats: every method runs `repeats` times per prompt, in a rotated order, and the run with the
     shortest total time is kept, whole (noise only adds time); tokens and step statistics come from the first run."""
-    from decode.bench import run_interleaved
-    from decode.generate import Generation
+    from specdraft.decode.bench_setup import run_interleaved
+    from specdraft.decode.generate import Generation
 
     calls, times = [], {"a": iter([(1.0, 5.0), (0.5, 4.0), (0.8, 3.0)]), "b": iter([(2.0, 9.0), (2.5, 7.0), (3.0, 8.0)])}
 

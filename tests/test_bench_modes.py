@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from decode.bench import run_bench
-from tests.test_bench import bench_config
+from specdraft.decode.bench import run_bench
+from tests.helpers import bench_config
 
 
 @pytest.fixture()
 def tiny_export(tiny_model_dir, tmp_path, monkeypatch):
     """A dspark export for the tiny target; cost profiles go to a temporary cache."""
-    from train.drafter import BlockDrafter
-    from train.export import save_drafter
-    from train.target import load_target
+    from specdraft.models.drafter import BlockDrafter
+    from specdraft.models.export import save_drafter
+    from specdraft.io.target import load_target
 
     monkeypatch.setenv("SPECDRAFT_PROFILE_DIR", str(tmp_path / "profiles"))
     target = load_target(tiny_model_dir, "float32")

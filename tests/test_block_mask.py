@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from train.block_mask import block_attention_mask, block_positions
+from specdraft.models.block_mask import block_attention_mask, block_positions
 
 
 def reference_mask(anchors: list[int], context_length: int, block_size: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from decode.calibration import (
+from specdraft.decode.calibration import (
     auroc,
     brier_score,
     calibration_report,

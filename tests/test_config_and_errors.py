@@ -10,12 +10,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from decode.config import BenchConfig, register_configs
-from decode.proposer import load_model_proposer
-from decode.sampling import Sampler
-from tests.conftest import save_tiny_model
-from train.data import is_heldout, iter_sharegpt, load_prompts, read_jsonl_prompts
-from train.target import load_target
+from specdraft.decode.config import BenchConfig, register_configs
+from specdraft.decode.proposer import load_model_proposer
+from specdraft.decode.sampling import Sampler
+from tests.helpers import save_tiny_model
+from specdraft.io.data import is_heldout, iter_sharegpt, load_prompts, read_jsonl_prompts
+from specdraft.io.target import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in (REPO / "conf").iterdir() if group.is_dir()}
@@ -85,7 +85,7 @@ def test_drafter_layer_count_checked(tiny_model_dir):
 
 
 def test_prompt_longer_than_context(tiny_model_dir, tmp_path):
-    from decode.bench import run_bench
+    from specdraft.decode.bench import run_bench
 
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt": " ".join(["w3"] * 600), "id": "long"}) + "\n")

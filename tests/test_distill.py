@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.conftest import save_tiny_model
+from tests.helpers import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 DISTILL_GROUPS = {"drafter": ["dflash", "dspark", "eagle3", "standalone"], "trainer": ["default"], "tracking": ["disabled", "offline"],
@@ -21,7 +21,7 @@ DISTILL_GROUPS = {"drafter": ["dflash", "dspark", "eagle3", "standalone"], "trai
 
 
 def compose_distill(overrides):
-    import train.distill  # noqa: F401  (registers the schema)
+    import specdraft.pipeline  # noqa: F401  (registers the schema)
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return OmegaConf.to_object(compose("distill", overrides=overrides + ["run_dir=unused"]))
@@ -87,8 +87,8 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported["speculators_model_type"] == drafter
     # The export used with a different target is refused, naming both.
-    from train.export import load_drafter
-    from train.target import load_target
+    from specdraft.models.export import load_drafter
+    from specdraft.io.target import load_target
 
     other = load_target(save_tiny_model(tmp_path / "other", vocab_size=80), "float32")
     with pytest.raises(ValueError, match="distilled from target .* but the target is 'other-target'"):
@@ -98,8 +98,8 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
 def test_regenerated_slice_and_own_responses_mix(tmp_path, chat_file, tiny_model_dir):
     """data.num_regenerate=3: three conversations answered by the target, the rest keep their own responses;
     a resumed run (extend=False) regenerates nothing more."""
-    from train.distill import build_examples
-    from train.target import load_target
+    from specdraft.train.distill import build_examples
+    from specdraft.io.target import load_target
 
     target = load_target(tiny_model_dir, "float32")
     cfg = compose_distill(["data=jsonl", f"data.path={chat_file}", "data.num_regenerate=3", "data.num_samples=10",

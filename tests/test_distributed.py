@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_llama
-from tests.test_trainer import examples, fresh_drafter
-from train.config import TrackingConfig, TrainerConfig
-from train.distributed import checked_deepspeed_config, deepspeed_config
+from tests.helpers import tiny_llama
+from tests.helpers import examples, fresh_drafter
+from specdraft.train.config import TrackingConfig, TrainerConfig
+from specdraft.train.distributed import checked_deepspeed_config, deepspeed_config
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = {"steps": 4, "batch_size": 2, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 2, "eval_every": 100}
@@ -51,7 +51,7 @@ def reference(tmp_path_factory):
 
 
 def train_reference(drafter, target, cfg, run_dir):
-    from train.trainer import train
+    from specdraft.train.trainer import train
 
     return train(drafter, target, examples(8), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
                  run_dir, {}, pad_id=0)
@@ -150,7 +150,7 @@ def test_disagreeing_launcher_flags_are_refused():
 
 
 def test_zero_checkpoint_refused_under_another_layout(tmp_path):
-    from train.trainer import _check_resumable
+    from specdraft.train.trainer import _check_resumable
 
     meta = {"data_fingerprint": "x", "num_examples": 1, "deepspeed_zero_stage": 2, "world_size": 2}
     with pytest.raises(ValueError, match="only resumes under the same launch"):

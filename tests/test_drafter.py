@@ -5,17 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
-from train.drafter import BlockDrafter
-
-
-def make_drafter(mode="dspark", layers=2):
-    target = tiny_llama(0)
-    torch.manual_seed(3)
-    drafter = BlockDrafter(target.config, num_layers=layers, num_feature_layers=2, block_size=4, mask_token_id=1,
-                           mode=mode, markov_rank=8).eval()
-    drafter.copy_target_weights(target)
-    return target, drafter
+from tests.helpers import tiny_llama
+from specdraft.models.drafter import BlockDrafter
+from tests.helpers import greedy_block_and_training_pass, make_drafter
 
 
 @pytest.mark.parametrize("mode", ["dspark", "dflash"])
@@ -81,11 +73,11 @@ def test_reduced_draft_vocabulary_maps_rows():
 
 @pytest.mark.parametrize("mode", ["dspark", "dflash"])
 def test_block_drafter_proposer_is_lossless_greedy(mode):
-    from decode.generate import speculative_generate
-    from decode.proposer import BlockDrafterProposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
-    from tests.conftest import hf_greedy
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.proposer import BlockDrafterProposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
+    from tests.helpers import hf_greedy
 
     target, drafter = make_drafter(mode)
     proposer = BlockDrafterProposer(drafter, feature_layers=(1, 2))
@@ -99,9 +91,9 @@ def test_block_drafter_proposer_is_lossless_greedy(mode):
 
 
 def test_block_drafter_proposer_sampling_returns_its_q():
-    from decode.proposer import BlockDrafterProposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
+    from specdraft.decode.proposer import BlockDrafterProposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
 
     target, _ = make_drafter()
     torch.manual_seed(6)
@@ -122,7 +114,7 @@ def test_block_drafter_proposer_sampling_returns_its_q():
 
 
 def test_default_feature_layers_are_spread_and_never_the_last():
-    from train.target import default_feature_layers
+    from specdraft.io.target import default_feature_layers
 
     assert default_feature_layers(30) == (2, 8, 14, 21, 27)
     for layers in (4, 8, 16, 30, 64):
@@ -133,7 +125,7 @@ def test_default_feature_layers_are_spread_and_never_the_last():
 
 
 def test_target_features_are_the_chosen_hidden_states():
-    from train.target import target_features
+    from specdraft.io.target import target_features
 
     target = tiny_llama(0)
     ids = torch.randint(0, 64, (2, 6))
@@ -145,12 +137,12 @@ def test_target_features_are_the_chosen_hidden_states():
 
 
 def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
-    from decode.generate import speculative_generate
-    from decode.proposer import BlockDrafterProposer, Proposal
-    from decode.sampling import Sampler
-    from decode.scheduler import build_scheduler, cut
-    from decode.session import CausalSession
-    from tests.conftest import hf_greedy
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.proposer import BlockDrafterProposer, Proposal
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.scheduler import build_scheduler, cut
+    from specdraft.decode.session import CausalSession
+    from tests.helpers import hf_greedy
 
     rule = build_scheduler("threshold", 0.5)
     assert cut(Proposal([1, 2, 3], confidence=torch.tensor([0.9, 0.4, 0.8])), rule) == 1
@@ -165,24 +157,6 @@ def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
         assert got.output_ids == hf_greedy(target, [2, 7, 1, 8], 18)
         if threshold == 1.0:
             assert set(got.drafted) == {0}  # confidence < 1 always: plain decoding
-
-
-def greedy_block_and_training_pass(target, drafter, prompt=(4, 9, 2, 7, 7, 1), first=13):
-    """Greedy inference's 4 drafted tokens after prompt + [first], and the training pass's output for
-    the block anchored at `first` over the same target features."""
-    from decode.proposer import BlockDrafterProposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
-
-    prompt = list(prompt)
-    _, features = CausalSession(target, (1, 2)).forward(prompt, last_only=True)
-    proposer = BlockDrafterProposer(drafter, (1, 2))
-    proposer.start(prompt + [first], features)
-    drafted = proposer.propose(prompt + [first], 4, Sampler(), None).tokens
-    with torch.no_grad():
-        out = drafter.forward_packed(drafter.project_context(features[None])[0], torch.tensor([len(prompt)]),
-                                     torch.tensor([first]))
-    return drafted, out, first
 
 
 def test_proposer_drafts_what_the_training_pass_predicts_at_the_anchor():

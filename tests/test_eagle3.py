@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import hf_greedy, tiny_llama
-from train.eagle3 import Eagle3Drafter
-
-
-def make_eagle(steps=4, vocab=None):
-    target = tiny_llama(0)
-    torch.manual_seed(3)
-    drafter = Eagle3Drafter(target.config, num_feature_layers=2, steps=steps, draft_vocab_ids=vocab).eval()
-    drafter.copy_target_weights(target)
-    return target, drafter
+from tests.helpers import hf_greedy
+from tests.helpers import make_eagle
 
 
 def test_training_time_test_equals_step_by_step_inference():
@@ -38,10 +30,10 @@ def test_training_time_test_equals_step_by_step_inference():
 
 
 def test_eagle3_proposer_is_lossless_greedy_and_sampling_q_is_exact():
-    from decode.generate import speculative_generate
-    from decode.proposer import Eagle3Proposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.proposer import Eagle3Proposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
 
     target, drafter = make_eagle(vocab=torch.arange(0, 64, 2))
     proposer = Eagle3Proposer(drafter, (1, 2))
@@ -59,8 +51,8 @@ def test_eagle3_proposer_is_lossless_greedy_and_sampling_q_is_exact():
 
 
 def test_eagle3_step_learns_and_normalizer_matches():
-    from tests.test_step import toy_batch
-    from train.step import LossSettings, distill_step, weight_sum
+    from tests.helpers import toy_batch
+    from specdraft.train.step import LossSettings, distill_step, weight_sum
 
     target, drafter = make_eagle(steps=3)
     drafter.train()

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.batch_draft import propose_blocks
-from decode.fast_drafter import PackedLinearModule, drafter_for_backend, fast_drafter
-from decode.generate import speculative_generate
-from decode.proposer import BlockDrafterProposer, Eagle3Proposer
-from decode.sampling import Sampler
-from decode.session import CausalSession
-from tests.conftest import hf_greedy
-from tests.test_drafter import make_drafter
-from tests.test_eagle3 import make_eagle
+from specdraft.decode.batch_draft import propose_blocks
+from specdraft.decode.fast_drafter import PackedLinearModule, drafter_for_backend, fast_drafter
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.session import CausalSession
+from tests.helpers import hf_greedy
+from tests.helpers import make_drafter
+from tests.helpers import make_eagle
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 

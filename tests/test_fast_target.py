@@ -9,20 +9,20 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from decode.backend import HFBackend, build_backend, fast_unavailable
-from decode.batch_generate import LoadPolicy
-from decode.batch_session import BatchedSession
-from decode.fast_target import FastTarget, Unsupported
-from decode.generate import speculative_generate
-from decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, ModelProposer, NgramProposer,
+from specdraft.decode.backend import HFBackend, build_backend, fast_unavailable
+from specdraft.decode.batch_generate import LoadPolicy
+from specdraft.decode.batch_session import BatchedSession
+from specdraft.decode.fast_target import FastTarget, Unsupported
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, ModelProposer, NgramProposer,
                              NoProposer, gives_confidence)
-from decode.sampling import Sampler
-from decode.scheduler import CostRule, ThresholdRule
-from decode.session import CausalSession
-from tests.conftest import hf_greedy, tiny_llama
-from tests.test_batch import EOS, LIMITS, PROMPTS, batch1, batched, cheap_profile, synthetic_profile
-from tests.test_drafter import make_drafter
-from tests.test_eagle3 import make_eagle
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import CostRule, ThresholdRule
+from specdraft.decode.session import CausalSession
+from tests.helpers import hf_greedy, tiny_llama
+from tests.helpers import EOS, LIMITS, PROMPTS, batch1, batched, cheap_profile, synthetic_profile
+from tests.helpers import make_drafter
+from tests.helpers import make_eagle
 
 ATOL = 1e-5  # tiny models in fp32 differ by ~1e-6 (another summation order); the real target test holds 1e-4
 

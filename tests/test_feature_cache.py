@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
-from tests.test_trainer import examples
-from train.feature_cache import FeatureCache, cache_fingerprint, read_manifest, write_manifest, write_shards
-from train.signals import target_signals
-from train.step import LossSettings, distill_step
-from train.trainer import data_fingerprint, make_batch
+from tests.helpers import tiny_llama
+from tests.helpers import examples
+from specdraft.train.feature_cache import FeatureCache, cache_fingerprint, read_manifest, write_manifest, write_shards
+from specdraft.train.signals import target_signals
+from specdraft.train.step import LossSettings, distill_step
+from specdraft.train.trainer import data_fingerprint, make_batch
 
 LAYERS = (1, 2)
 
@@ -47,7 +47,7 @@ def test_offline_batches_equal_online_in_float32(tmp_path, setup):
     for a, b in zip(online, offline):  # equal up to float32 rounding (the cache ran other batch shapes)
         assert torch.allclose(a[real], b[real], rtol=1e-5, atol=1e-6)
     # The training step sees the same loss either way.
-    from tests.test_trainer import fresh_drafter
+    from tests.helpers import fresh_drafter
 
     loss_online, _ = distill_step(fresh_drafter(target), target, batch, LAYERS, 4, LossSettings())
     loss_offline, _ = distill_step(fresh_drafter(target), target, batch, LAYERS, 4, LossSettings(), signals=build(
@@ -114,7 +114,7 @@ def test_distill_builds_and_trains_from_the_cache(tmp_path, tiny_model_dir):
     import subprocess
     import sys
 
-    from tests.test_distill import REPO
+    from tests.helpers import REPO
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"id": f"c{i}", "prompt": f"w{i} w{i + 1} w3", "response": "w1 w2 w5 w7"}) + "\n"

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from decode.generate import speculative_generate
-from decode.proposer import ModelProposer, NgramProposer, NoProposer, Proposal
-from decode.sampling import Sampler
-from decode.session import CausalSession
-from tests.conftest import hf_greedy
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import ModelProposer, NgramProposer, NoProposer, Proposal
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.session import CausalSession
+from tests.helpers import hf_greedy
 
 GREEDY = Sampler()
 

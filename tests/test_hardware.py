@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 
-import decode.profile as profile
-import train.target as target
-import train.hardware as hardware
-from train.hardware import bf16_warning, native_bf16
+import specdraft.decode.profile as profile
+import specdraft.io.target as target
+import specdraft.io.hardware as hardware
+from specdraft.io.hardware import bf16_warning, native_bf16
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.heads import MARKOV_TYPES, ConfidenceHead, MarkovHead
+from specdraft.models.heads import MARKOV_TYPES, ConfidenceHead, MarkovHead
 
 
 @pytest.mark.parametrize("head_type", MARKOV_TYPES)

@@ -4,16 +4,15 @@ both parts in step with the accepted text, and the drafter backed off without st
 from __future__ import annotations
 
 import pytest
-import torch
 
-from decode.generate import speculative_generate
-from decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, gives_confidence
-from decode.sampling import Sampler
-from decode.scheduler import CostRule, ThresholdRule
-from decode.session import CausalSession
-from tests.conftest import hf_greedy
-from tests.test_batch import EOS, LIMITS, PROMPTS, batch1, batched, synthetic_profile
-from tests.test_drafter import make_drafter
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, gives_confidence
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import CostRule, ThresholdRule
+from specdraft.decode.session import CausalSession
+from tests.helpers import hf_greedy
+from tests.helpers import EOS, LIMITS, PROMPTS, batch1, batched, synthetic_profile
+from tests.helpers import make_drafter
 
 
 def hybrid(share_stats=True):
@@ -95,7 +94,7 @@ def test_the_drafter_part_backs_off_while_lookup_keeps_drafting(monkeypatch):
 def test_confidence_logits_stay_aligned_with_drafting_steps(monkeypatch):
     """One entry per drafting step ([] for lookup steps), so the oracle's confidence cut and calibration pair
     each drafter z_1 with its own step's outcome."""
-    from decode.oracle import first_position_steps
+    from specdraft.decode.oracle import first_position_steps
 
     target, proposer = hybrid()
     parts = record_parts(monkeypatch)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from train.losses import argmax_labels, distill_loss, expected_tau, position_weights
+from specdraft.train.losses import argmax_labels, distill_loss, expected_tau, position_weights
 
 
 def test_position_weights_decay_exponentially():

@@ -6,15 +6,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from decode.generate import speculative_generate
-from decode.proposer import NgramProposer, SurvivalStats, ngram_match
-from decode.sampling import Sampler
-from decode.scheduler import CostRule, ThresholdRule
-from decode.session import CausalSession
-from tests.conftest import hf_greedy
-from tests.test_batch import EOS, LIMITS, PROMPTS, batch1, batched, synthetic_profile
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import NgramProposer, SurvivalStats, ngram_match
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.scheduler import CostRule, ThresholdRule
+from specdraft.decode.session import CausalSession
+from tests.helpers import hf_greedy
+from tests.helpers import EOS, LIMITS, PROMPTS, batch1, batched, synthetic_profile
 
 
 def reference_match(context, num_draft, max_ngram, min_ngram):
@@ -91,7 +90,7 @@ def test_schedulers_on_prompt_lookup_keep_decoding_exact(target_model, rule, sam
 
 def test_no_backoff_for_prompt_lookup(target_model):
     """A step the cost rule declines (or one without a match) costs nothing to try again next step."""
-    from decode.scheduler import make_backoff
+    from specdraft.decode.scheduler import make_backoff
 
     rule = CostRule(synthetic_profile(), max_skip=8)
     assert make_backoff(rule, NgramProposer()) is None and make_backoff(rule, object()) is not None
@@ -111,7 +110,7 @@ def test_a_declined_match_length_is_probed_now_and_then_so_its_estimate_can_reco
 
 def test_the_probe_reaches_the_target(target_model):
     """The loop does not recut a proposal the lookup already cut with the step's rule (its probe included)."""
-    from decode.generate import draft
+    from specdraft.decode.generate import draft
 
     proposer = NgramProposer(max_ngram=2)
     proposer.stats.declined[2] = NgramProposer.PROBE_EVERY - 1

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import tiny_llama
-from tests.test_drafter import greedy_block_and_training_pass, make_drafter
-from train.on_policy import prefix_mask, sample_block_tokens, target_probs_after_drafts
+from tests.helpers import tiny_llama
+from tests.helpers import greedy_block_and_training_pass, make_drafter
+from specdraft.train.on_policy import prefix_mask, sample_block_tokens, target_probs_after_drafts
 
 
 def test_target_scores_every_drafted_prefix_as_a_plain_forward_would():
@@ -50,7 +50,7 @@ def test_training_on_own_samples_learns_and_resumes_identically(tmp_path):
 
     import pytest
 
-    from tests.test_trainer import run
+    from tests.helpers import run
 
     target = tiny_llama(0)
     _, full = run(target, tmp_path / "a", markov_inputs="sampled")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from decode.generate import Generation
-from decode.oracle import confidence_cut, oracle_ceiling, priced_rate, step_contexts
-from tests.test_batch import synthetic_profile
+from specdraft.decode.generate import Generation
+from specdraft.decode.oracle import confidence_cut, oracle_ceiling, priced_rate, step_contexts
+from tests.helpers import synthetic_profile
 
 # synthetic_profile: verify of n tokens 10 + 2n ms, drafting ℓ positions 3 + ℓ ms, one context only.
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.bench import eos_ids, hf_generate
-from decode.generate import speculative_generate
-from decode.proposer import NgramProposer, load_model_proposer
-from decode.sampling import Sampler
-from decode.session import CausalSession
-from train.data import chat_prompt_ids, load_prompts
-from train.target import load_target
+from specdraft.decode.bench_setup import hf_generate
+from specdraft.io.target import eos_ids
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import NgramProposer, load_model_proposer
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.session import CausalSession
+from specdraft.io.data import chat_prompt_ids, load_prompts
+from specdraft.io.target import load_target
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +48,9 @@ def test_fast_backend_matches_hf_on_the_real_target(smollm2):
     proposer, batch-1 and batched."""
     import copy
 
-    from decode.backend import HFBackend
-    from decode.batch_generate import Request, batched_generate
-    from decode.fast_target import FastTarget
+    from specdraft.decode.backend import HFBackend
+    from specdraft.decode.batch_generate import Request, batched_generate
+    from specdraft.decode.fast_target import FastTarget
 
     fast, ref = FastTarget(smollm2.model), HFBackend(smollm2.model)
     exact = HFBackend(copy.deepcopy(smollm2.model).double())

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tests.conftest import hf_greedy
-from train.data import chat_prompt_ids, response_ids_from_text, training_example
-from train.regenerate import load_regenerated, read_done, regenerate
-from train.target import load_target
+from tests.helpers import hf_greedy
+from specdraft.io.data import chat_prompt_ids, response_ids_from_text, training_example
+from specdraft.train.regenerate import load_regenerated, read_done, regenerate
+from specdraft.io.target import load_target
 
 
 def test_batched_regeneration_matches_single_greedy_and_resumes(tiny_model_dir, tmp_path):
@@ -28,7 +28,7 @@ def test_batched_regeneration_matches_single_greedy_and_resumes(tiny_model_dir, 
 
 def test_regeneration_on_the_decode_engine_equals_single_greedy(tiny_model_dir, tmp_path):
     """The distill pipeline's generator: continuous batching on the fast backend, same greedy responses."""
-    from train.distill import engine_generator
+    from specdraft.pipeline import engine_generator
 
     target = load_target(tiny_model_dir, "float32")
     generate = engine_generator(target, "auto", concurrency=2)

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from train.regenerate import regenerate
-from train.regenerate_server import read_all_done, regenerate_via_server
-from train.target import load_target
+from specdraft.train.regenerate import regenerate
+from specdraft.train.regenerate_server import read_all_done, regenerate_via_server
+from specdraft.io.target import load_target
 
 
 def make_app(model, tokenizer, log: list):

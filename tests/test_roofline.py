@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 spec = importlib.util.spec_from_file_location("roofline", Path(__file__).resolve().parents[1] / "scripts" / "roofline.py")
 roofline = importlib.util.module_from_spec(spec)

@@ -14,15 +14,13 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from decode.generate import speculative_generate
-from decode.proposer import Proposal
-from decode.sampling import Sampler, sample
-from decode.verifier import rejection_accept, residual_probs
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import Proposal
+from specdraft.decode.sampling import Sampler, sample
+from specdraft.decode.verifier import rejection_accept, residual_probs
+from tests.helpers import MarkovSession, START, VOCAB, expected_loop_joint, goodness_of_fit, markov_tables, reference_probs
 
-VOCAB = 8
-START = 0
 SETTINGS = [
     Sampler(temperature=1.0),
     Sampler(temperature=0.7),
@@ -30,35 +28,6 @@ SETTINGS = [
     Sampler(temperature=1.0, top_p=0.8),
     Sampler(temperature=0.8, top_k=5, top_p=0.9),
 ]
-
-
-def markov_tables(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target and drafter logits tables (V, V): row = previous token. The drafter is far from the target."""
-    gen = torch.Generator().manual_seed(seed)
-    target = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
-    drafter = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
-    return target, drafter
-
-
-def reference_probs(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
-    """Independent reference of temperature -> top-k -> top-p (HF semantics) for one row of logits."""
-    scores = logits.double() / s.temperature
-    if s.top_k:
-        kth = scores.sort(descending=True).values[min(s.top_k, len(scores)) - 1]
-        scores = torch.where(scores < kth, torch.tensor(-float("inf"), dtype=scores.dtype), scores)
-    probs = torch.softmax(scores, dim=-1)
-    if s.top_p < 1:
-        order = probs.argsort(descending=True)
-        keep = torch.zeros_like(probs, dtype=torch.bool)
-        mass = 0.0
-        for token in order.tolist():  # keep the smallest top set whose mass reaches top_p
-            keep[token] = True
-            mass += float(probs[token])
-            if mass >= s.top_p:
-                break
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return probs
 
 
 def expected_joint(target: torch.Tensor, s: Sampler, length: int) -> np.ndarray:
@@ -71,26 +40,6 @@ def expected_joint(target: torch.Tensor, s: Sampler, length: int) -> np.ndarray:
             prev = token
         joint[seq] = prob
     return joint.ravel()
-
-
-def goodness_of_fit(samples: np.ndarray, expected: np.ndarray) -> float:
-    """Chi-square p-value of sequences (N, L) against expected cell probabilities (V**L,)."""
-    cells = np.ravel_multi_index(samples.T, (VOCAB,) * samples.shape[1])
-    observed = np.bincount(cells, minlength=expected.size).astype(float)
-    n = len(samples)
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # a sequence the target can never produce
-    # Pool every cell with an expected count under 5 (and, if the pool itself is under 5, the next
-    # smallest cells too) so the chi-square approximation holds.
-    order = [c for c in np.argsort(expected) if expected[c] > 0]
-    cut = 0
-    while cut < len(order) and (expected[order[cut]] * n < 5 or expected[order[:cut]].sum() * n < 5):
-        cut += 1
-    small, big = np.array(order[:cut], dtype=int), np.array(order[cut:], dtype=int)
-    obs = np.append(observed[big], observed[small].sum())
-    exp = np.append(expected[big], expected[small].sum()) * n
-    keep = exp > 0
-    return float(chisquare(obs[keep], exp[keep]).pvalue)
 
 
 # ---- the acceptance rule alone, thousands of rows in one batched call -------------------------
@@ -186,33 +135,6 @@ def test_disjoint_supports_accept_nothing():
 # ---- the whole generate loop with a Markov target session and a stochastic stub drafter ----------
 
 
-# A logit offset per position, so a wrong cache length changes the distribution. (64 positions, V)
-POSITION_BIAS = torch.stack([torch.linspace(-1.5, 1.5, VOCAB).roll(i) for i in range(64)])
-
-
-class MarkovSession:
-    """Stands in for CausalSession: logits at a position are the fed token's table row plus a
-    bias of that position, which the session knows only from its own cache length."""
-
-    feature_layers = ()
-    context_window = None
-
-    def __init__(self, table: torch.Tensor):
-        self.table, self.length = table, 0
-
-    def reset(self):
-        self.length = 0
-
-    def forward(self, token_ids, last_only=False):
-        bias = POSITION_BIAS[self.length : self.length + len(token_ids)]  # (T, V)
-        self.length += len(token_ids)
-        logits = self.table[torch.tensor(token_ids)] + bias  # (T, V)
-        return (logits[-1:] if last_only else logits), None
-
-    def rollback(self, length):
-        self.length = min(self.length, length)
-
-
 class MarkovDrafter:
     """A stochastic drafter with its own Markov table; returns the exact q it sampled from."""
 
@@ -251,19 +173,6 @@ def loop_samples(s: Sampler, n: int, num_draft: int, seed: int, accept_fn=None, 
     return np.array(out)
 
 
-def expected_loop_joint(s: Sampler) -> np.ndarray:
-    """The target's own distribution of the first three tokens, positions included."""
-    table = markov_tables()[0]
-    joint = np.zeros((VOCAB,) * 3)
-    for seq in itertools.product(range(VOCAB), repeat=3):
-        prob, prev = 1.0, START
-        for position, token in enumerate(seq):
-            prob *= float(reference_probs(table[prev] + POSITION_BIAS[position], s)[token])
-            prev = token
-        joint[seq] = prob
-    return joint.ravel()
-
-
 class ArgmaxDrafter(MarkovDrafter):
     """Deterministic drafting (q = None, i.e. one-hot), like prompt lookup."""
 
@@ -286,8 +195,8 @@ def test_generate_loop_sampling_matches_target_distribution(s, drafter):
 def test_hybrid_and_scheduled_prompt_lookup_match_target_distribution():
     """Lookup where the context repeats (q one-hot), the stochastic drafter elsewhere (its own q); and lookup
     cut by a threshold on confidences learned from earlier steps, shared across all generations."""
-    from decode.proposer import HybridProposer, NgramProposer
-    from decode.scheduler import ThresholdRule
+    from specdraft.decode.proposer import HybridProposer, NgramProposer
+    from specdraft.decode.scheduler import ThresholdRule
 
     s = SETTINGS[0]
     expected = expected_loop_joint(s)

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from decode.batch_generate import LoadPolicy, Request, batched_generate
-from decode.generate import speculative_generate
-from decode.proposer import BlockDrafterProposer, Proposal
-from decode.sampling import Sampler, sample
-from decode.scheduler import (CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_admits_any, load_pays,
+from specdraft.decode.batch_generate import LoadPolicy, Request, batched_generate
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.proposer import BlockDrafterProposer, Proposal
+from specdraft.decode.sampling import Sampler, sample
+from specdraft.decode.scheduler import (CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_admits_any, load_pays,
                               load_schedule)
-from tests.conftest import tiny_llama
-from tests.test_batch import cheap_profile, context_profile, dear_profile, synthetic_profile
-from tests.test_sampling_lossless import (
+from tests.helpers import tiny_llama
+from tests.helpers import cheap_profile, context_profile, dear_profile, synthetic_profile
+from tests.helpers import (
     START,
     VOCAB,
     MarkovSession,
@@ -157,7 +157,7 @@ def test_first_positions_settle_whether_load_admission_takes_anything():
 
 
 def test_cost_rule_decides_the_step_given_its_probe_and_tells_the_backoff_whether_it_paid():
-    from decode.scheduler import backoff_count
+    from specdraft.decode.scheduler import backoff_count
 
     # Verify 10 ms + 2 ms per token, drafting 3 ms + 1 ms per position (the probe, ℓ = 0, costs 3 ms).
     rule = CostRule(synthetic_profile(length=4))
@@ -196,12 +196,12 @@ def test_load_scheduler_keeps_batched_sampling_lossless(make_profile, monkeypatc
     """Requests decoded together under scheduler=load at T=1: each request's first two tokens follow
     the target's distribution (a small vocabulary lets us enumerate it), with steps that admit ragged
     lengths and, for the second profile, steps the gate ends after c_1."""
-    import decode.batch_generate
-    from train.drafter import BlockDrafter
+    from specdraft.decode import batch_generate
+    from specdraft.models.drafter import BlockDrafter
 
     answers = []
-    spy = decode.batch_generate.load_admits_any
-    monkeypatch.setattr(decode.batch_generate, "load_admits_any", lambda *a: answers.append(spy(*a)) or answers[-1])
+    spy = batch_generate.load_admits_any
+    monkeypatch.setattr(batch_generate, "load_admits_any", lambda *a: answers.append(spy(*a)) or answers[-1])
 
     target = tiny_llama(0, vocab_size=VOCAB)
     with torch.no_grad():
@@ -226,7 +226,7 @@ def test_load_scheduler_keeps_batched_sampling_lossless(make_profile, monkeypatc
 
 
 def test_backoff_skips_the_drafter_after_empty_steps_and_probes_again():
-    from decode.scheduler import Backoff
+    from specdraft.decode.scheduler import Backoff
 
     backoff = Backoff(max_skip=4)
     pattern = []

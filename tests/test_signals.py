@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import tiny_llama
-from train.signals import SignalCache, target_signals
+from tests.helpers import tiny_llama
+from specdraft.train.signals import SignalCache, target_signals
 
 
 def ragged_batch(rows):

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import hf_greedy
-from train.drafter import BlockDrafter
-from train.speculators_export import build_speculators_model, export_speculators, import_speculators, vocab_mappings
-from train.target import load_target
+from tests.helpers import hf_greedy
+from specdraft.models.drafter import BlockDrafter
+from specdraft.models.speculators_export import build_speculators_model, export_speculators, import_speculators, vocab_mappings
+from specdraft.io.target import load_target
 
 pytest.importorskip("speculators")
 
 
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory):
-    from tests.conftest import save_tiny_model
+    from tests.helpers import save_tiny_model
 
     path = save_tiny_model(tmp_path_factory.mktemp("verifier"))
     return path, load_target(path, "float32")
@@ -86,10 +86,10 @@ def test_same_logits_markov_bias_and_confidence_as_speculators(verifier):
 def test_checkpoint_written_by_speculators_decodes_losslessly_in_ours(verifier, tmp_path):
     from speculators.models.dspark import DSparkDraftModel
 
-    from decode.generate import speculative_generate
-    from decode.proposer import BlockDrafterProposer
-    from decode.sampling import Sampler
-    from decode.session import CausalSession
+    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.proposer import BlockDrafterProposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
 
     path, target = verifier
     import copy
@@ -130,7 +130,7 @@ def test_export_of_a_qwen3_verifier_loads_back(tmp_path):
 
 
 def our_eagle3(target, vocab=None, steps=3):
-    from train.eagle3 import Eagle3Drafter
+    from specdraft.models.eagle3 import Eagle3Drafter
 
     torch.manual_seed(0)
     drafter = Eagle3Drafter(target.model.config, num_feature_layers=2, steps=steps, draft_vocab_ids=vocab)

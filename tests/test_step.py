@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import tiny_llama
-from train.drafter import BlockDrafter
-from train.step import Batch, LossSettings, block_targets, distill_step, sample_anchors, weight_sum
-
-
-def toy_batch(seed=0, batch=2, length=24):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 64, (batch, length), generator=gen)
-    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
-    loss_mask[:, 8:] = True  # prompt of 8 tokens, then the response
-    return Batch(ids, torch.ones_like(ids), loss_mask, torch.arange(batch) + 100 * seed)
+from tests.helpers import tiny_llama
+from specdraft.models.drafter import BlockDrafter
+from specdraft.train.step import Batch, LossSettings, block_targets, distill_step, sample_anchors, weight_sum
+from tests.helpers import toy_batch
 
 
 def test_anchors_are_seeded_per_sample_and_precede_response_tokens():

@@ -7,35 +7,12 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
-from train.checkpoint import latest_checkpoint, load_checkpoint
-from train.config import TrackingConfig, TrainerConfig
-from train.drafter import BlockDrafter
-from train.trainer import train
-
-
-def examples(n=6, length=20):
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(2, 64, (length,), generator=gen).tolist()
-        rows.append({"input_ids": ids, "loss_mask": [False] * 6 + [True] * (length - 6)})
-    return rows
-
-
-def fresh_drafter(target):
-    torch.manual_seed(1)
-    drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, mask_token_id=1, markov_rank=8)
-    drafter.copy_target_weights(target)
-    return drafter
-
-
-def run(target, run_dir, **overrides):
-    cfg = TrainerConfig(steps=6, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=2, eval_every=3, **overrides)
-    drafter = fresh_drafter(target)
-    summary = train(drafter, target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
-                    run_dir, {}, pad_id=0)
-    return drafter, summary
+from tests.helpers import tiny_llama
+from specdraft.train.checkpoint import latest_checkpoint, load_checkpoint
+from specdraft.train.config import TrackingConfig, TrainerConfig
+from specdraft.models.drafter import BlockDrafter
+from specdraft.train.trainer import train
+from tests.helpers import examples, fresh_drafter, run
 
 
 def test_resume_continues_with_identical_losses(tmp_path):
@@ -90,7 +67,7 @@ def test_compiled_layers_train_like_the_reference(tmp_path):
 
 def test_evaluation_can_read_other_signals_than_training(tmp_path):
     """A lossy training cache (top-k) must not bias held-out figures: evaluation takes its own signals."""
-    from train.signals import target_signals
+    from specdraft.train.signals import target_signals
 
     calls = {"train": 0, "eval": 0}
 
@@ -109,7 +86,7 @@ def test_evaluation_can_read_other_signals_than_training(tmp_path):
 
 def test_tied_weights_checkpoint_once_and_load_back(tmp_path):
     """A drafter with tied embeddings / LM head (the standalone drafter of a tied target such as SmolLM2)."""
-    from train.checkpoint import load_checkpoint, save_checkpoint
+    from specdraft.train.checkpoint import load_checkpoint, save_checkpoint
 
     class Tied(torch.nn.Module):
         def __init__(self):
@@ -128,7 +105,7 @@ def test_tied_weights_checkpoint_once_and_load_back(tmp_path):
 @pytest.mark.parametrize("key, value, choices", [("markov_inputs", "drafted", "teacher or sampled"),
                                                  ("ce_labels", "argmax", "data or target_argmax")])
 def test_loss_options_name_their_choices(key, value, choices):
-    from train.trainer import _settings
+    from specdraft.train.trainer import _settings
 
     with pytest.raises(ValueError, match=f"trainer.{key}='{value}'; choose {choices}"):
         _settings(TrainerConfig(**{key: value}))

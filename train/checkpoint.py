@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from specdraft.io.files import write_folder_atomically
 
 FORMAT = "specdraft-checkpoint-1"
 FROZEN_PREFIXES = ("embed_tokens.",)  # reloaded from the target; not worth a copy per checkpoint
@@ -42,22 +43,6 @@ def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     aliases = tied_aliases(state)
     return {k: v.detach().contiguous().cpu() for k, v in state.items()
             if not k.startswith(FROZEN_PREFIXES) and k not in aliases}
-
-
-def write_folder_atomically(final: Path, write) -> Path:
-    """Call write(tmp) on a fresh sibling folder, then move it into place as `final` (replacing it)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        write(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from train.config import TrainerConfig
+from specdraft.train.config import TrainerConfig
 
 DS_FIXED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                  "gradient_clipping")

@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from train.signals import pad_rows, target_signals
-from train.trainer import make_batch
+from specdraft.train.signals import pad_rows, target_signals
+from specdraft.train.trainer import make_batch
 
 FORMAT = "specdraft-feature-cache-1"
 FORMS = ("full", "topk")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from train.data import chat_prompt_ids
+from specdraft.io.data import chat_prompt_ids
 
 
 def read_done(path: Path) -> dict[str, dict]:

@@ -15,7 +15,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from train.regenerate import read_done
+from specdraft.train.regenerate import read_done
 
 
 def read_all_done(out_dir: Path) -> dict[str, dict]:

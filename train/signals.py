@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from train.target import target_features
+from specdraft.io.target import target_features
 
 
 @torch.no_grad()

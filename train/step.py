@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from train.losses import argmax_labels, distill_loss, position_weights
-from train.on_policy import sample_block_tokens, target_probs_after_drafts
-from train.signals import target_signals
-from train.standalone import standalone_pieces
+from specdraft.train.losses import argmax_labels, distill_loss, position_weights
+from specdraft.train.on_policy import sample_block_tokens, target_probs_after_drafts
+from specdraft.train.signals import target_signals
+from specdraft.models.standalone import standalone_pieces
 
 
 @dataclass

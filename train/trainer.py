@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from train.checkpoint import complete_partial, latest_checkpoint, load_checkpoint, partial_path, save_checkpoint
-from train.config import TrackingConfig, TrainerConfig
-from train.distributed import is_deepspeed, make_accelerator
-from train.signals import SignalCache, target_signals
-from train.step import Batch, LossSettings, distill_step, weight_sum
+from specdraft.train.checkpoint import complete_partial, latest_checkpoint, load_checkpoint, partial_path, save_checkpoint
+from specdraft.train.config import TrackingConfig, TrainerConfig
+from specdraft.train.distributed import is_deepspeed, make_accelerator
+from specdraft.train.signals import SignalCache, target_signals
+from specdraft.train.step import Batch, LossSettings, distill_step, weight_sum
 
 
 def make_batch(examples: list[dict], indices: list[int], epoch: int, seed: int, pad_id: int) -> Batch:

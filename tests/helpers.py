@@ -1,0 +1,342 @@
+"""Helpers shared by the test modules: tiny random models, drafters, profiles and oracles built in the test.
+
+Test modules import from here (or use conftest fixtures), never from one another.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from scipy.stats import chisquare
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from specdraft.decode.batch_generate import Request, batched_generate
+from specdraft.decode.generate import speculative_generate
+from specdraft.decode.config import register_configs
+from specdraft.decode.profile import CostProfile
+from specdraft.decode.sampling import Sampler
+from specdraft.decode.session import CausalSession
+from specdraft.models.drafter import BlockDrafter
+from specdraft.models.eagle3 import Eagle3Drafter
+from specdraft.train.config import TrackingConfig, TrainerConfig
+from specdraft.train.step import Batch
+from specdraft.train.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama(seed: int, vocab_size: int = 64, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:
+    """A random 2-layer Llama in float32 eval mode, deterministic for a seed."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Scale the output layer up so argmaxes are far from ties, as in a trained model.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
+    """The oracle: HF generate, greedy, generated tokens only (EOS included when generated)."""
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None, pad_token_id=0
+    )
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt) :].tolist()
+
+
+
+def save_tiny_model(path, seed: int = 0, vocab_size: int = 64, layers: int = 2, shift: int = 0) -> str:
+    """A tiny Llama + tokenizer saved as a model folder, EOS = <|im_end|>."""
+    model = tiny_llama(seed, vocab_size=vocab_size, layers=layers)
+    tokenizer = tiny_tokenizer(vocab_size, shift)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_drafter(mode="dspark", layers=2):
+    target = tiny_llama(0)
+    torch.manual_seed(3)
+    drafter = BlockDrafter(target.config, num_layers=layers, num_feature_layers=2, block_size=4, mask_token_id=1,
+                           mode=mode, markov_rank=8).eval()
+    drafter.copy_target_weights(target)
+    return target, drafter
+
+
+
+def greedy_block_and_training_pass(target, drafter, prompt=(4, 9, 2, 7, 7, 1), first=13):
+    """Greedy inference's 4 drafted tokens after prompt + [first], and the training pass's output for
+    the block anchored at `first` over the same target features."""
+    from specdraft.decode.proposer import BlockDrafterProposer
+    from specdraft.decode.sampling import Sampler
+    from specdraft.decode.session import CausalSession
+
+    prompt = list(prompt)
+    _, features = CausalSession(target, (1, 2)).forward(prompt, last_only=True)
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    proposer.start(prompt + [first], features)
+    drafted = proposer.propose(prompt + [first], 4, Sampler(), None).tokens
+    with torch.no_grad():
+        out = drafter.forward_packed(drafter.project_context(features[None])[0], torch.tensor([len(prompt)]),
+                                     torch.tensor([first]))
+    return drafted, out, first
+
+
+def make_eagle(steps=4, vocab=None):
+    target = tiny_llama(0)
+    torch.manual_seed(3)
+    drafter = Eagle3Drafter(target.config, num_feature_layers=2, steps=steps, draft_vocab_ids=vocab).eval()
+    drafter.copy_target_weights(target)
+    return target, drafter
+
+
+PROMPTS = [[2, 7, 1, 8, 2, 8], [3, 1], [4, 1, 5, 9, 2, 6, 5, 3, 5], [9, 9, 8], [5, 6, 7, 1]]
+
+
+
+LIMITS = [14, 9, 20, 1, 12]  # one request stops after its first token; the others leave at different steps
+
+
+
+EOS = [13]
+
+
+
+def synthetic_profile(rows=(1, 2, 4), length=5, per_token=0.002) -> CostProfile:
+    """Verify time grows with tokens (rows × length); drafting costs a little per position."""
+    table = {str(r): [0.010 + per_token * r * n for n in range(1, length + 1)] for r in rows}
+    return CostProfile(fingerprint={}, verify={"single": {"1": table["1"]}, "batched": table},
+                       draft=[0.003 + 0.001 * n for n in range(length)], context_length=16)
+
+
+
+def cheap_profile(rows=(1, 2, 4), length=5) -> CostProfile:
+    """Drafting and one more verified position both cheap: load admission has to beat plain decoding
+    (drafting included) and often does."""
+    profile = synthetic_profile(rows=rows, length=length, per_token=0.00002)
+    profile.draft_batched = {"1": [1e-5] * length, str(max(rows)): [1e-5] * length}
+    return profile
+
+
+
+def dear_profile(rows=(1, 2, 4), length=5) -> CostProfile:
+    """A compute-bound engine: a verified token costs as much as a whole plain step's share, and drafting
+    is dear, so no draft could pay even if every position survived."""
+    profile = synthetic_profile(rows=rows, length=length, per_token=0.02)
+    profile.draft = [0.2] * length
+    profile.draft_batched = {"1": [0.05] * length, str(max(rows)): [0.2] * length}
+    return profile
+
+
+
+def context_profile(length=5) -> CostProfile:
+    """synthetic_profile at context 2, plus one-request curves at context 12 where a step costs more
+    but one more verified position costs much less (attention dominates a long context's step)."""
+    profile = synthetic_profile(length=length, per_token=0.004)
+    profile.context_length = 2
+    profile.by_context = {"12": {"verify": [0.030 + 0.0005 * n for n in range(1, length + 1)],
+                                 "draft": [0.003 + 0.001 * n for n in range(length)]}}
+    return profile
+
+
+
+def batch1(model, proposer, sampler, num_draft, rule=None, seed=0):
+    session = CausalSession(model, proposer.feature_layers)
+    outs = []
+    for i, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        generator = torch.Generator().manual_seed(seed + i)
+        outs.append(speculative_generate(session, prompt, proposer.clone(), sampler, limit, num_draft, EOS, rule,
+                                         generator).output_ids)
+    return outs
+
+
+
+def batched(model, proposer, sampler, num_draft, rule=None, seed=0, concurrency=3, load=None):
+    requests = [Request(p, n, torch.Generator().manual_seed(seed + i)) for i, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
+    gens = batched_generate(model, requests, proposer, sampler, num_draft, EOS, rule, load, concurrency)
+    return [g.output_ids for g in gens], gens
+
+
+def examples(n=6, length=20):
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(2, 64, (length,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "loss_mask": [False] * 6 + [True] * (length - 6)})
+    return rows
+
+
+
+def fresh_drafter(target):
+    torch.manual_seed(1)
+    drafter = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, mask_token_id=1, markov_rank=8)
+    drafter.copy_target_weights(target)
+    return drafter
+
+
+
+def run(target, run_dir, **overrides):
+    cfg = TrainerConfig(steps=6, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=2, eval_every=3, **overrides)
+    drafter = fresh_drafter(target)
+    summary = train(drafter, target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
+                    run_dir, {}, pad_id=0)
+    return drafter, summary
+
+
+def toy_batch(seed=0, batch=2, length=24):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 64, (batch, length), generator=gen)
+    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
+    loss_mask[:, 8:] = True  # prompt of 8 tokens, then the response
+    return Batch(ids, torch.ones_like(ids), loss_mask, torch.arange(batch) + 100 * seed)
+
+
+def bench_config(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return OmegaConf.to_object(compose("bench", overrides=overrides))
+
+
+VOCAB = 8
+
+
+
+START = 0
+
+
+
+def markov_tables(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and drafter logits tables (V, V): row = previous token. The drafter is far from the target."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
+    drafter = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
+    return target, drafter
+
+
+
+def goodness_of_fit(samples: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square p-value of sequences (N, L) against expected cell probabilities (V**L,)."""
+    cells = np.ravel_multi_index(samples.T, (VOCAB,) * samples.shape[1])
+    observed = np.bincount(cells, minlength=expected.size).astype(float)
+    n = len(samples)
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # a sequence the target can never produce
+    # Pool every cell with an expected count under 5 (and, if the pool itself is under 5, the next
+    # smallest cells too) so the chi-square approximation holds.
+    order = [c for c in np.argsort(expected) if expected[c] > 0]
+    cut = 0
+    while cut < len(order) and (expected[order[cut]] * n < 5 or expected[order[:cut]].sum() * n < 5):
+        cut += 1
+    small, big = np.array(order[:cut], dtype=int), np.array(order[cut:], dtype=int)
+    obs = np.append(observed[big], observed[small].sum())
+    exp = np.append(expected[big], expected[small].sum()) * n
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep]).pvalue)
+
+
+
+class MarkovSession:
+    """Stands in for CausalSession: logits at a position are the fed token's table row plus a
+    bias of that position, which the session knows only from its own cache length."""
+
+    feature_layers = ()
+    context_window = None
+
+    def __init__(self, table: torch.Tensor):
+        self.table, self.length = table, 0
+
+    def reset(self):
+        self.length = 0
+
+    def forward(self, token_ids, last_only=False):
+        bias = POSITION_BIAS[self.length : self.length + len(token_ids)]  # (T, V)
+        self.length += len(token_ids)
+        logits = self.table[torch.tensor(token_ids)] + bias  # (T, V)
+        return (logits[-1:] if last_only else logits), None
+
+    def rollback(self, length):
+        self.length = min(self.length, length)
+
+
+
+def expected_loop_joint(s: Sampler) -> np.ndarray:
+    """The target's own distribution of the first three tokens, positions included."""
+    table = markov_tables()[0]
+    joint = np.zeros((VOCAB,) * 3)
+    for seq in itertools.product(range(VOCAB), repeat=3):
+        prob, prev = 1.0, START
+        for position, token in enumerate(seq):
+            prob *= float(reference_probs(table[prev] + POSITION_BIAS[position], s)[token])
+            prev = token
+        joint[seq] = prob
+    return joint.ravel()
+
+
+def tiny_tokenizer(vocab_size: int = 64, shift: int = 0):
+    """A word-level tokenizer with a chat template: specials, role names, then words w0, w1, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+    words = [f"w{i + shift}" for i in range(vocab_size - len(specials))]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def reference_probs(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
+    """Independent reference of temperature -> top-k -> top-p (HF semantics) for one row of logits."""
+    scores = logits.double() / s.temperature
+    if s.top_k:
+        kth = scores.sort(descending=True).values[min(s.top_k, len(scores)) - 1]
+        scores = torch.where(scores < kth, torch.tensor(-float("inf"), dtype=scores.dtype), scores)
+    probs = torch.softmax(scores, dim=-1)
+    if s.top_p < 1:
+        order = probs.argsort(descending=True)
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        mass = 0.0
+        for token in order.tolist():  # keep the smallest top set whose mass reaches top_p
+            keep[token] = True
+            mass += float(probs[token])
+            if mass >= s.top_p:
+                break
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return probs
+
+
+
+# A logit offset per position, so a wrong cache length changes the distribution. (64 positions, V)
+POSITION_BIAS = torch.stack([torch.linspace(-1.5, 1.5, VOCAB).roll(i) for i in range(64)])
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
