@@ -13,50 +13,32 @@ import torch
 from tqdm import tqdm
 
 from specdraft.decode.backend import build_backend
-from specdraft.decode.config import PROPOSERS, BenchConfig
-from specdraft.decode.fast_drafter import drafter_for_backend
+from specdraft.decode.config import BenchConfig
+from specdraft.decode.factory import attach_calibration, make_proposer
 from specdraft.decode.generate import Generation
-from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer,
-                                       load_model_proposer)
 from specdraft.decode.sampling import Sampler
 from specdraft.io import assets
 from specdraft.io.data import chat_prompt_ids, load_prompts, source_modules
 from specdraft.io.target import eos_ids, load_target, target_modules
-from specdraft.models.export import load_drafter
 
 
 def build_proposer(cfg: BenchConfig, target):
-    """The configured proposer, the name of the matching HF baseline and its `generate` kwargs."""
-    name = cfg.proposer.name
-    if name == "ngram":
-        proposer = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram, share_stats=cfg.proposer.share_stats)
+    """The configured proposer (decode/factory.py), the name of the matching HF baseline and its `generate` kwargs."""
+    proposer, model = make_proposer(cfg.proposer, target, cfg.target.name_or_path, cfg.target.backend)
+    if cfg.proposer.name == "ngram":
         # HF's lookup takes the leftmost match and has no minimum size; ours takes the most recent one.
-        hf = {"prompt_lookup_num_tokens": cfg.decode.num_draft, "max_matching_ngram_size": cfg.proposer.max_ngram}
-        return proposer, "hf_prompt_lookup", hf
-    if name == "model":
-        proposer, drafter = load_model_proposer(cfg.proposer.path or target.path, cfg.proposer.num_layers, target)
+        return proposer, "hf_prompt_lookup", {"prompt_lookup_num_tokens": cfg.decode.num_draft,
+                                              "max_matching_ngram_size": cfg.proposer.max_ngram}
+    if cfg.proposer.name == "model":
         # Like for like: a constant number of assistant tokens and HF's confidence-based early stop off.
-        drafter.generation_config.num_assistant_tokens = cfg.decode.num_draft
-        drafter.generation_config.num_assistant_tokens_schedule = "constant"
-        drafter.generation_config.assistant_confidence_threshold = 0.0
-        return proposer, "hf_assisted", {"assistant_model": drafter}
-    if name in ("drafter", "hybrid"):
-        if not cfg.proposer.path:
-            raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
-        drafter, feature_layers = load_drafter(cfg.proposer.path, target.model, cfg.target.name_or_path)
-        drafter = drafter_for_backend(drafter, cfg.target.backend)  # its matmuls on the target's kernels
-        kind = Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer
-        proposer = kind(drafter, feature_layers)
-        if name == "hybrid":  # prompt lookup where it matches, the drafter elsewhere
-            lookup = NgramProposer(cfg.proposer.max_ngram, cfg.proposer.min_ngram, share_stats=cfg.proposer.share_stats)
-            proposer = HybridProposer(lookup, proposer)
-        return proposer, None, {}  # HF has no block-drafter / Eagle-3 baseline
-    raise ValueError(f"unknown proposer {name!r}; choose one of {list(PROPOSERS)}")
-
+        model.generation_config.num_assistant_tokens = cfg.decode.num_draft
+        model.generation_config.num_assistant_tokens_schedule = "constant"
+        model.generation_config.assistant_confidence_threshold = 0.0
+        return proposer, "hf_assisted", {"assistant_model": model}
+    return proposer, None, {}  # HF has no block-drafter / Eagle-3 baseline
 
 
 GENERATE_ONLY_KWARGS = ("assistant_model",)  # generate() arguments that are not GenerationConfig fields
-
 
 
 def hf_generate(model, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int, eos: list[int], pad: int, **extra) -> Generation:
@@ -80,7 +62,6 @@ def hf_generate(model, prompt_ids: list[int], sampler: Sampler, max_new_tokens: 
     return Generation(output_ids=out[0, len(prompt_ids) :].tolist(), total_s=seconds)
 
 
-
 def strip_generation_defaults(model) -> None:
     """Leave only bos/eos/pad in the model's generation config.
 
@@ -93,7 +74,6 @@ def strip_generation_defaults(model) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id
     )
-
 
 
 @dataclass
@@ -126,7 +106,6 @@ class BenchSetup:
                                sizes, cfg.scheduler.profile_context, contexts=cfg.scheduler.profile_contexts)
 
 
-
 def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     modules = target_modules(cfg.target.name_or_path) + source_modules(cfg.data.name, cfg.data.path)
     assets.ensure(modules + (["speculators"] if cfg.proposer.name in ("drafter", "hybrid") else []), "specdraft-bench")
@@ -137,7 +116,8 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads, cfg.target.device)
     backend = build_backend(target.model, cfg.target.backend)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
-    calibration = attach_calibration(cfg, proposer)
+    calibration = (None if cfg.bench.mode == "calibrate"  # calibration fits the raw confidences
+                   else attach_calibration(proposer, cfg.proposer.path, cfg.bench.calibration))
     strip_generation_defaults(target.model)
     stop = eos_ids(target)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
@@ -156,37 +136,11 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
                       pad, calibration)
 
 
-
-def attach_calibration(cfg: BenchConfig, proposer) -> str | None:
-    """Give a block drafter its stored confidence temperatures (bench.calibration); returns the file used."""
-    from specdraft.decode.calibrate import CALIBRATION_FILE, read_calibration
-
-    block_drafter = isinstance(getattr(proposer, "trained", proposer), BlockDrafterProposer)  # a hybrid's drafter part too
-    if not block_drafter or cfg.bench.calibration == "none" or cfg.bench.mode == "calibrate":
-        return None
-    if cfg.bench.calibration == "auto":
-        path = Path(cfg.proposer.path) / CALIBRATION_FILE
-    else:
-        path = Path(cfg.bench.calibration)
-        if not path.is_file():
-            raise FileNotFoundError(f"bench.calibration={path} does not exist; use auto, none or a calibration.json")
-    calibration = read_calibration(path)
-    for bucket, temperatures in (calibration or {}).items():
-        if len(temperatures) < getattr(proposer, "trained", proposer).max_draft:
-            raise ValueError(f"{path} holds {len(temperatures)} {bucket} temperatures but this drafter drafts "
-                             f"{getattr(proposer, 'trained', proposer).max_draft} positions: it was made for another export; "
-                             "rerun bench.mode=calibrate")
-    proposer.calibration = calibration
-    return str(path) if calibration else None
-
-
-
 def target_report(bench: BenchSetup) -> dict:
     """What results.json records of how the target ran: its dtype (and why) and its backend."""
     return {"target_dtype": {"dtype": str(bench.target.dtype).replace("torch.", ""), "requested": bench.cfg.target.dtype,
                              "reason": bench.target.dtype_reason},
             "target_backend": {"requested": bench.cfg.target.backend, **bench.backend.describe()}}
-
 
 
 def run_interleaved(kinds: list[str], run, encoded: list[list[int]], repeats: int = 1) -> dict[str, list[Generation]]:
@@ -209,7 +163,6 @@ def run_interleaved(kinds: list[str], run, encoded: list[list[int]], repeats: in
     return results
 
 
-
 def fastest(runs: list[Generation]) -> Generation:
     """One prompt's repeated runs of one method as one Generation: the run with the shortest total time,
     whole (its prefill and decoding together, so methods without a separate prefill time, like HF
@@ -222,13 +175,11 @@ def fastest(runs: list[Generation]) -> Generation:
                    repeats_differ=sum(g.output_ids != first.output_ids for g in runs[1:]))
 
 
-
 def repeat_report(cfg: BenchConfig, results: dict[str, list[Generation]]) -> dict:
     """How the timings were taken (results.json): runs per prompt and method, and how many repeated runs
     produced other tokens than the first (0 expected: the seeds repeat)."""
     return {"repeats": cfg.bench.repeats,
             "repeats_differ": sum(g.repeats_differ for gens in results.values() for g in gens)}
-
 
 
 def atomic_write(path: Path, text: str) -> None:

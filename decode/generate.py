@@ -57,6 +57,7 @@ def speculative_generate(
     scheduler=None,  # a stopping rule from decode/scheduler.py (None: verify every drafted token)
     generator: torch.Generator | None = None,
     accept_fn: Callable | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,  # streaming: called with each step's new tokens
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens; the output is distributed as target-only decoding."""
     if max_new_tokens < 1:
@@ -74,6 +75,8 @@ def speculative_generate(
     logits, features = target.forward(list(prompt_ids), last_only=True)
     first = _pick(sampler, logits[-1:], generator)
     result = Generation(output_ids=[first], ttft_s=time.perf_counter() - start)
+    if on_tokens is not None:
+        on_tokens([first])
     context = list(prompt_ids) + [first]
     proposer.start(list(context), features)  # features cover the prompt; context adds the pending token
     backoff = make_backoff(scheduler, proposer)
@@ -94,7 +97,11 @@ def speculative_generate(
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
         target.rollback(kept_length + 1 + num_accepted)
 
-        if record_step(result, context, proposal, num_accepted, next_token, eos_ids, room):
+        done = len(result.output_ids)
+        stop = record_step(result, context, proposal, num_accepted, next_token, eos_ids, room)
+        if on_tokens is not None:
+            on_tokens(result.output_ids[done:])
+        if stop:
             break
         proposer.commit(context, None if features is None else features[: 1 + num_accepted])
     result.total_s = time.perf_counter() - start

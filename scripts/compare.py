@@ -140,21 +140,19 @@ def main() -> None:
     trained = {mode: train_mode(mode, out, args.experiment, args.overrides) for mode in args.modes}
 
     from specdraft.decode.bench_setup import strip_generation_defaults
-    from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer, load_model_proposer
-    from specdraft.models.export import load_drafter
+    from specdraft.decode.config import ProposerConfig
+    from specdraft.decode.factory import make_proposer
     from specdraft.io.target import load_target
 
     target = load_target(trained[args.modes[0]]["config"]["target"]["name_or_path"], args.dtype, args.threads)
     strip_generation_defaults(target.model)
     proposers, num_draft = {}, {}
     for mode in args.modes:
-        if mode == "standalone":  # a plain HF model with the target's tokenizer, drafting autoregressively
-            proposers[mode], _ = load_model_proposer(trained[mode]["export_path"], None, target)
-            num_draft[mode] = args.standalone_draft
-            continue
-        drafter, layers = load_drafter(trained[mode]["export_path"], target.model, trained[mode]["config"]["target"]["name_or_path"])
-        proposers[mode] = (Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer)(drafter, layers)
-        num_draft[mode] = drafter.block_size
+        # a standalone drafter is a plain HF model with the target's tokenizer, drafting autoregressively
+        kind = "model" if trained[mode]["config"]["drafter"]["mode"] == "standalone" else "drafter"
+        proposers[mode], _ = make_proposer(ProposerConfig(name=kind, path=trained[mode]["export_path"]), target,
+                                           trained[mode]["config"]["target"]["name_or_path"], "hf")
+        num_draft[mode] = args.standalone_draft if kind == "model" else proposers[mode].max_draft
     feature_layers = {p.feature_layers for p in proposers.values() if p.feature_layers}
     if len(feature_layers) > 1:
         raise ValueError("the modes were trained on different target layers; one verify pass cannot serve them all")

@@ -6,6 +6,19 @@ Layers, each importing only the ones above it in this list:
   specdraft.train    distillation (train/ in the repository)
   specdraft.decode   the speculative decoding engine and its benchmark (decode/ in the repository)
   specdraft.pipeline distill → export → validate, the one place that uses both train and decode
+  specdraft.api      the library API (SpecDecoder, SamplingParams, load_drafter, distill) over all of them
 """
 
 __version__ = "0.1.0"
+
+# The library API (specdraft/api.py), imported on first use so `import specdraft.io...` stays light.
+API = ("SpecDecoder", "SamplingParams", "Output", "load_drafter", "distill")
+__all__ = [*API, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in API:
+        from specdraft import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'specdraft' has no attribute {name!r}")

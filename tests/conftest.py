@@ -42,3 +42,18 @@ def prompts_file(tmp_path):
     rows = [{"prompt": "w1 w2 w3 w1 w2 w3", "id": "a"}, {"prompt": "w7 w8 w9 w10"}, {"prompt": "w20"}]
     path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+@pytest.fixture()
+def tiny_export(tiny_model_dir, tmp_path, monkeypatch):
+    """A dspark export for the tiny target; cost profiles go to a temporary cache."""
+    from specdraft.models.drafter import BlockDrafter
+    from specdraft.models.export import save_drafter
+    from specdraft.io.target import load_target
+
+    monkeypatch.setenv("SPECDRAFT_PROFILE_DIR", str(tmp_path / "profiles"))
+    target = load_target(tiny_model_dir, "float32")
+    torch.manual_seed(0)
+    drafter = BlockDrafter(target.model.config, 1, 2, block_size=3, mask_token_id=0, markov_rank=8)
+    drafter.copy_target_weights(target.model)
+    return save_drafter(tmp_path / "export", drafter, (1, 2), target.model, tiny_model_dir, tiny_model_dir)

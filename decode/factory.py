@@ -1,0 +1,62 @@
+"""The one proposer factory: a ProposerConfig (and the target it drafts for) → a proposer, with its
+calibration attached. decode/bench_setup.py, specdraft/api.py and the scripts all build proposers here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdraft.decode.config import PROPOSERS, ProposerConfig
+from specdraft.decode.fast_drafter import drafter_for_backend
+from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer, NoProposer,
+                                       load_model_proposer)
+from specdraft.models.export import load_drafter
+
+
+def drafter_proposer(drafter, feature_layers):
+    """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass)."""
+    kind = Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer
+    return kind(drafter, feature_layers)
+
+
+def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = "auto"):
+    """The configured proposer; for name=model also the standalone HF model it drafts with (else None).
+    name=none is plain decoding (no drafting)."""
+    name = cfg.name
+    lookup = lambda: NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats)  # noqa: E731
+    if name == "none":
+        return NoProposer(), None
+    if name == "ngram":
+        return lookup(), None
+    if name == "model":
+        return load_model_proposer(cfg.path or target.path, cfg.num_layers, target)
+    if name in ("drafter", "hybrid"):
+        if not cfg.path:
+            raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
+        drafter, feature_layers = load_drafter(cfg.path, target.model, target_name)
+        proposer = drafter_proposer(drafter_for_backend(drafter, backend), feature_layers)  # the target's kernels
+        # hybrid: prompt lookup where it matches, the drafter elsewhere
+        return (HybridProposer(lookup(), proposer) if name == "hybrid" else proposer), None
+    raise ValueError(f"unknown proposer {name!r}; choose one of {[*PROPOSERS, 'none']}")
+
+
+def attach_calibration(proposer, export: str | None, setting: str = "auto") -> str | None:
+    """Give a block drafter (a hybrid's drafter part too) its stored confidence temperatures: setting auto =
+    EXPORT/calibration.json where present, none, or a file. Returns the file used (None: uncalibrated)."""
+    from specdraft.decode.calibrate import CALIBRATION_FILE, read_calibration
+
+    drafter = getattr(proposer, "trained", proposer)
+    if not isinstance(drafter, BlockDrafterProposer) or setting == "none":
+        return None
+    if setting == "auto":
+        path = Path(export) / CALIBRATION_FILE
+    else:
+        path = Path(setting)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file {path} does not exist; use auto, none or a calibration.json")
+    calibration = read_calibration(path)
+    for bucket, temperatures in (calibration or {}).items():
+        if len(temperatures) < drafter.max_draft:
+            raise ValueError(f"{path} holds {len(temperatures)} {bucket} temperatures but this drafter drafts "
+                             f"{drafter.max_draft} positions: it was made for another export; rerun bench.mode=calibrate")
+    proposer.calibration = calibration
+    return str(path) if calibration else None
