@@ -20,6 +20,7 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from specdraft import conf_dir  # noqa: E402
 from specdraft.decode.bench_setup import (atomic_write, hf_generate, repeat_report, run_interleaved, setup_bench,  # noqa: E402
                                           target_report)
 from specdraft.decode.config import BenchConfig, register_configs  # noqa: E402
@@ -170,7 +171,7 @@ def format_table(summary: dict) -> str:
 register_configs()
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="bench")
+@hydra.main(version_base=None, config_path=conf_dir(), config_name="bench")
 def main(config) -> None:
     cfg: BenchConfig = OmegaConf.to_object(config)
     summary = run_bench(cfg)

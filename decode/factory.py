@@ -10,12 +10,13 @@ from specdraft.decode.fast_drafter import drafter_for_backend
 from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer, NoProposer,
                                        load_model_proposer)
 from specdraft.models.export import load_drafter
+from specdraft.models.registry import kind
 
 
 def drafter_proposer(drafter, feature_layers):
     """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass)."""
-    kind = Eagle3Proposer if drafter.mode == "eagle3" else BlockDrafterProposer
-    return kind(drafter, feature_layers)
+    proposer = Eagle3Proposer if kind(drafter.mode).unrolled else BlockDrafterProposer
+    return proposer(drafter, feature_layers)
 
 
 def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = "auto"):

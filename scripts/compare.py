@@ -113,8 +113,8 @@ def markdown(benches: list[dict], modes: list[str]) -> str:
             lines.append(f"| {mode} | {m['tau']:.3f} | {by_position} | {m['tokens_per_s']:.2f} | "
                          f"{m['speedup_vs_plain']:.3f} | {match} |")
         taus = {mode: methods[mode]["tau"] for mode in modes}
-        ratios = [f"τ(dspark)/τ({other}) = {taus['dspark'] / taus[other]:.3f}" for other in ("dflash", "eagle3", "standalone")
-                  if "dspark" in taus and other in taus]
+        first, *others = modes  # the first mode (dspark by default) against each of the others
+        ratios = [f"τ({first})/τ({other}) = {taus[first] / taus[other]:.3f}" for other in others]
         if ratios:
             lines.append("\n" + "; ".join(ratios))
     return "\n".join(lines) + "\n"
@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare")
     parser.add_argument("--experiment", default="cpu_full",
                         help="the distill overlay every mode trains with ('default': none, the no-argument settings)")
-    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
+                        help="drafter modes to train and compare; the table ends with tau of the first over each other")
     parser.add_argument("--standalone-draft", type=int, default=4, help="tokens the standalone drafter proposes per step")
     parser.add_argument("--data", nargs="+", default=["mtbench", "sharegpt_heldout"], choices=["mtbench", "sharegpt_heldout"])
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
@@ -143,16 +144,17 @@ def main() -> None:
     from specdraft.decode.config import ProposerConfig
     from specdraft.decode.factory import make_proposer
     from specdraft.io.target import load_target
+    from specdraft.models.registry import kind
 
     target = load_target(trained[args.modes[0]]["config"]["target"]["name_or_path"], args.dtype, args.threads)
     strip_generation_defaults(target.model)
     proposers, num_draft = {}, {}
     for mode in args.modes:
         # a standalone drafter is a plain HF model with the target's tokenizer, drafting autoregressively
-        kind = "model" if trained[mode]["config"]["drafter"]["mode"] == "standalone" else "drafter"
-        proposers[mode], _ = make_proposer(ProposerConfig(name=kind, path=trained[mode]["export_path"]), target,
+        runs_with = kind(trained[mode]["config"]["drafter"]["mode"]).proposer  # model for standalone, else drafter
+        proposers[mode], _ = make_proposer(ProposerConfig(name=runs_with, path=trained[mode]["export_path"]), target,
                                            trained[mode]["config"]["target"]["name_or_path"], "hf")
-        num_draft[mode] = args.standalone_draft if kind == "model" else proposers[mode].max_draft
+        num_draft[mode] = args.standalone_draft if runs_with == "model" else proposers[mode].max_draft
     feature_layers = {p.feature_layers for p in proposers.values() if p.feature_layers}
     if len(feature_layers) > 1:
         raise ValueError("the modes were trained on different target layers; one verify pass cannot serve them all")

@@ -9,11 +9,21 @@ Layers, each importing only the ones above it in this list:
   specdraft.api      the library API (SpecDecoder, SamplingParams, load_drafter, distill) over all of them
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+
+def conf_dir() -> str:
+    """The Hydra configs as a folder: specdraft/conf in an installed wheel, conf/ beside this folder in a checkout
+    (an absolute path, so Hydra reads files and needs no importable config package)."""
+    here = Path(__file__).resolve().parent
+    return str(next((c for c in (here / "conf", here.parent / "conf") if (c / "distill.yaml").is_file()), here / "conf"))
+
 
 # The library API (specdraft/api.py), imported on first use so `import specdraft.io...` stays light.
 API = ("SpecDecoder", "SamplingParams", "Output", "load_drafter", "distill")
-__all__ = [*API, "__version__"]
+__all__ = [*API, "__version__", "conf_dir"]
 
 
 def __getattr__(name: str):

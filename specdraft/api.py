@@ -31,6 +31,10 @@ from specdraft.io.target import Target, eos_ids, load_target, target_modules
 from specdraft.models.export import load_drafter as _load_drafter
 
 
+class _Stopped(Exception):
+    """Raised inside a stream's generation when its consumer stopped reading."""
+
+
 @dataclass
 class SamplingParams:
     """Hugging Face semantics: temperature 0 is greedy; top_k 0 and top_p 1.0 are off."""
@@ -135,13 +139,21 @@ class SpecDecoder:
         return outputs
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """The text of one prompt's output as it is accepted, piece by piece (joined: generate()'s text)."""
+        """The text of one prompt's output as it is accepted, piece by piece (joined: generate()'s text).
+        Closing the iterator early stops the generation (the decoder is then free for the next call)."""
         params, pieces, tokens, shown = params or SamplingParams(), queue.Queue(), [], ""
-        failure = []
+        failure, stop = [], threading.Event()
+
+        def forward(new: list[int]) -> None:
+            if stop.is_set():
+                raise _Stopped
+            pieces.put(new)
 
         def work():
             try:
-                self._run(self.encode(prompt), params, 0, on_tokens=pieces.put)
+                self._run(self.encode(prompt), params, 0, on_tokens=forward)
+            except _Stopped:
+                pass
             except BaseException as err:  # re-raised in the caller's thread
                 failure.append(err)
             finally:
@@ -149,19 +161,23 @@ class SpecDecoder:
 
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
-        while (new := pieces.get()) is not None:
-            tokens.extend(new)
-            # Decode the whole output each time: a token can complete a character the previous one began.
-            text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
-            if text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
-        worker.join()
+        try:
+            while (new := pieces.get()) is not None:
+                tokens.extend(new)
+                # Decode the whole output each time: a token can complete a character the previous one began,
+                # and until it does the text ends in U+FFFD, which is held back.
+                text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
+                if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+        finally:
+            stop.set()
+            worker.join()
         if failure:
             raise failure[0]
         final = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
-        if final != shown:  # a trailing piece that decoded differently once complete
-            yield final[len(shown):] if final.startswith(shown) else final
+        if final.startswith(shown) and len(final) > len(shown):  # what was held back at the end
+            yield final[len(shown):]
 
 
 def load_drafter(path: str, target: Target | str = "smollm2-135m-instruct"):
@@ -177,7 +193,8 @@ def distill(overrides: list[str] | None = None, run_dir: str = "runs/distill") -
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from specdraft.pipeline import conf_dir, distill as run_pipeline
+    from specdraft import conf_dir
+    from specdraft.pipeline import distill as run_pipeline
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         config = compose("distill", overrides=[*(overrides or []), f"run_dir={run_dir}"])

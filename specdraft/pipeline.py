@@ -25,22 +25,18 @@ from specdraft.decode.backend import build_backend
 from specdraft.decode.batch_generate import generate_plain
 from specdraft.decode.bench import run_bench
 from specdraft.decode.config import BenchConfig, BenchSettings, DataConfig, DecodeConfig, ProposerConfig, SchedulerConfig
+from specdraft import conf_dir
 from specdraft.io import assets
 from specdraft.io.config import TargetConfig
 from specdraft.io.data import source_modules
 from specdraft.io.target import choose_dtype, default_feature_layers, load_target, resolve_device, target_modules
 from specdraft.models.export import save_drafter
+from specdraft.models.registry import kind
 from specdraft.train.config import DrafterConfig, FeatureCacheConfig, TrackingConfig, TrainDataConfig, TrainerConfig
 from specdraft.train.distill import build_drafter, feature_cache, fit_feature_scale, prepare_examples
 from specdraft.train.distributed import broadcast_object, full_parameters, make_accelerator, shutdown
 from specdraft.train.signals import target_signals
-from specdraft.train.trainer import start_tracking, train
-
-
-def conf_dir() -> str:
-    """The configs: specdraft/conf in an installed wheel, conf/ beside this folder in a checkout."""
-    here = Path(__file__).resolve().parent
-    return str(next((c for c in (here / "conf", here.parent / "conf") if (c / "distill.yaml").is_file()), here / "conf"))
+from specdraft.train.trainer import TrainJob, start_tracking, train
 
 
 @dataclass
@@ -92,13 +88,13 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
     """Exactness in float32, then speed in the configured dtype, on held-out ShareGPT prompts."""
     if cfg.validate.num_prompts == 0:
         return dict.fromkeys(("lossless", "tau", "speedup_vs_plain", "match_rate", "tau_float32", "acceptance_by_position"))
-    scheduler = cfg.validate.scheduler if cfg.drafter.mode == "dspark" else "fixed"  # cost reads a confidence head
+    scheduler = cfg.validate.scheduler if kind(cfg.drafter.mode).confidence_head else "fixed"  # cost reads it
 
     def bench(dtype: str, name: str) -> dict:
         bench_cfg = BenchConfig(
             target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads, cfg.target.device,
                                 backend=cfg.target.backend),
-            proposer=ProposerConfig(name="model" if cfg.drafter.mode == "standalone" else "drafter", path=str(export)),
+            proposer=ProposerConfig(name=kind(cfg.drafter.mode).proposer, path=str(export)),
             data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
             decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
             scheduler=SchedulerConfig(name=scheduler),
@@ -127,21 +123,25 @@ def verify_ratio(profile_path: str | None, length: int) -> float | None:
     return verify[min(length, len(verify) - 1)] / verify[0]
 
 
+def _f(value, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def summary_lines(results: dict, run_dir: Path) -> list[str]:
     """The end-of-run summary: which pass each figure comes from, rounded, and what it means."""
     mode = results["config"]["drafter"]["mode"]
     lines = ["specdraft distill — summary",
              f"  export          {results['export_path']}  ({mode}, {results['train_steps']} training steps; "
-             f"held-out acceptance estimate tau {results['eval_tau_estimate']:.2f})"]
+             f"held-out acceptance estimate tau {_f(results['eval_tau_estimate'])})"]
     if results["lossless"] is None:
         lines.append("  validation      skipped (validate.num_prompts=0)")
     else:
         speed = results["speed_pass"]
         lines.append(f"  exactness pass  float32, {speed['num_prompts']} held-out prompts: lossless {results['lossless']} "
-                     f"(every token equal to HF generate's), tau {results['tau_float32']:.2f} tokens per verify step")
+                     f"(every token equal to HF generate's), tau {_f(results['tau_float32'])} tokens per verify step")
         ratio = results["speedup_vs_plain"]
         verdict = "faster than" if ratio >= 1.02 else "slower than" if ratio <= 0.98 else "as fast as"
-        lines.append(f"  speed pass      {speed['dtype']}, scheduler {speed['scheduler']}: tau {results['tau']:.2f}, "
+        lines.append(f"  speed pass      {speed['dtype']}, scheduler {speed['scheduler']}: tau {_f(results['tau'])}, "
                      f"{ratio:.2f}x the speed of plain decoding ({verdict} plain decoding)")
         if ratio <= 0.98:
             drafted = max(1, round(speed["mean_draft_len"]))
@@ -150,7 +150,7 @@ def summary_lines(results: dict, run_dir: Path) -> list[str]:
                    f"profile ({speed['profile']}), " if cost else "")
             first = (results.get("acceptance_by_position") or [None])[0]
             accepted = f" (the first drafted token is accepted {first:.0%} of the time)" if first is not None else ""
-            lines.append(f"                  why: {why}and a step keeps {results['tau']:.2f} tokens on average{accepted}: "
+            lines.append(f"                  why: {why}and a step keeps {_f(results['tau'])} tokens on average{accepted}: "
                          "the drafted tokens kept do not pay for the longer verify")
     stages = ", ".join(f"{k} {v:.0f}" for k, v in results["stage_seconds"].items())
     lines += [f"  stage seconds   {stages}", f"  results         {run_dir / 'results.json'}"]
@@ -174,7 +174,7 @@ def preflight(cfg: DistillConfig, accelerator) -> None:
     modules = target_modules(cfg.target.name_or_path) + source_modules(cfg.data.name, cfg.data.path)
     if cfg.validate.num_prompts:
         modules += source_modules(cfg.validate.data, cfg.validate.data_path)
-    if cfg.drafter.mode != "standalone":  # block drafters and Eagle-3 export in the speculators format
+    if kind(cfg.drafter.mode).speculators:  # block drafters and Eagle-3 export in the speculators format
         modules.append("speculators")
     if accelerator.is_local_main_process:
         assets.ensure(modules, "specdraft-distill")
@@ -196,8 +196,9 @@ def distill(cfg: DistillConfig) -> dict | None:
     # Training reads fp32 features; each process loads the target straight onto its own device.
     device = str(accelerator.device) if cfg.target.device == "auto" else cfg.target.device
     target = load_target(cfg.target.name_or_path, "float32", cfg.target.threads, device)
-    generate = engine_generator(target, cfg.target.backend, cfg.data.regen_batch_size)
-    examples = prepare_examples(cfg, target, run_dir, accelerator, generate)
+    # built only by the process that regenerates, when it does (the fast twin holds a copy of the weights)
+    make_generate = lambda: engine_generator(target, cfg.target.backend, cfg.data.regen_batch_size)  # noqa: E731
+    examples = prepare_examples(cfg, target, run_dir, accelerator, make_generate)
     stage_seconds["data"] = time.perf_counter() - began
     if len(examples) <= cfg.data.num_eval:
         raise ValueError(f"only {len(examples)} training examples; raise data.num_samples or the data budget")
@@ -219,11 +220,12 @@ def distill(cfg: DistillConfig) -> dict | None:
     began = time.perf_counter()
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     tracker = start_tracking(cfg.tracking, run_dir, resolved) if main else None
-    summary = train(drafter, target.model, train_examples, eval_examples, layers, cfg.drafter.num_anchors, cfg.trainer,
-                    cfg.tracking, run_dir, resolved, target.tokenizer.pad_token_id or 0, cfg.budget.train_s, accelerator,
-                    signals, tracker,
+    job = TrainJob(drafter, target.model, train_examples, eval_examples, layers, cfg.drafter.num_anchors,
+                   target.tokenizer.pad_token_id or 0, run_dir, resolved)
+    summary = train(job, cfg.trainer, cfg.tracking, time_budget_s=cfg.budget.train_s, accelerator=accelerator,
+                    signals=signals, tracker=tracker,
                     # A top-k cache drops the tail; held-out figures stay against the exact target distribution.
-                    target_signals if cfg.features.path and cfg.features.form == "topk" else None)
+                    eval_signals=target_signals if cfg.features.path and cfg.features.form == "topk" else None)
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
     with full_parameters(accelerator, drafter):

@@ -47,12 +47,12 @@ def main() -> None:
     accelerator = make_accelerator(cfg)
     writes: list[str] = []
     record_writes(run_dir, writes)
-    from specdraft.train.trainer import train
+    from specdraft.train.trainer import TrainJob, train
 
     target = tiny_llama(0)
     drafter = fresh_drafter(target)
-    summary = train(drafter, target, examples(8), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
-                    run_dir, {}, pad_id=0, accelerator=accelerator)
+    summary = train(TrainJob(drafter, target, examples(8), examples(2), (1, 2), 4, 0, run_dir), cfg,
+                    TrackingConfig(wandb_mode="disabled"), accelerator=accelerator)
     rank = accelerator.process_index
     report_dir.mkdir(parents=True, exist_ok=True)
     with full_parameters(accelerator, drafter):  # ZeRO-3 leaves each rank a shard

@@ -25,7 +25,7 @@ from specdraft.models.drafter import BlockDrafter
 from specdraft.models.eagle3 import Eagle3Drafter
 from specdraft.train.config import TrackingConfig, TrainerConfig
 from specdraft.train.step import Batch
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainJob, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,8 +199,8 @@ def fresh_drafter(target):
 def run(target, run_dir, **overrides):
     cfg = TrainerConfig(steps=6, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=2, eval_every=3, **overrides)
     drafter = fresh_drafter(target)
-    summary = train(drafter, target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
-                    run_dir, {}, pad_id=0)
+    summary = train(TrainJob(drafter, target, examples(), examples(2), (1, 2), 4, 0, run_dir), cfg,
+                    TrackingConfig(wandb_mode="disabled"))
     return drafter, summary
 
 

@@ -54,6 +54,14 @@ def test_stream_joins_to_generate_text(ngram_decoder):
     assert len(pieces) >= 2 and "".join(pieces) == full.text
 
 
+def test_a_stream_closed_early_frees_the_decoder(ngram_decoder):
+    pieces = ngram_decoder.stream("w1 w2 w3 w1 w2", SamplingParams(max_new_tokens=10))
+    next(pieces)
+    pieces.close()  # stops the generation thread before it finishes
+    [out] = ngram_decoder.generate("w7 w8 w9", SamplingParams(max_new_tokens=8))
+    assert out.token_ids == oracle(ngram_decoder, "w7 w8 w9", 8)
+
+
 def test_sampling_is_seeded(ngram_decoder):
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
     first = ngram_decoder.generate(["w1 w2", "w1 w2"], params)

@@ -51,10 +51,10 @@ def reference(tmp_path_factory):
 
 
 def train_reference(drafter, target, cfg, run_dir):
-    from specdraft.train.trainer import train
+    from specdraft.train.trainer import TrainJob, train
 
-    return train(drafter, target, examples(8), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
-                 run_dir, {}, pad_id=0)
+    return train(TrainJob(drafter, target, examples(8), examples(2), (1, 2), 4, 0, run_dir), cfg,
+                 TrackingConfig(wandb_mode="disabled"))
 
 
 def assert_matches_reference(reports, report_dir, reference, atol=1e-5):

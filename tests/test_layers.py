@@ -89,3 +89,19 @@ def test_test_modules_share_helpers_not_each_other():
                 if node.module != "tests.helpers":
                     offenders.append(f"{path.name}: from {node.module} import ...")
     assert not offenders, offenders
+
+
+def test_no_drafter_mode_string_is_compared_outside_the_registry():
+    """Drafter kinds are looked up in specdraft/models/registry.py; no `mode == "eagle3"` elsewhere."""
+    from specdraft.models.registry import KINDS
+
+    offenders = []
+    for path in [*REPO.glob("specdraft/**/*.py"), *REPO.glob("train/*.py"), *REPO.glob("decode/*.py"),
+                 *REPO.glob("scripts/*.py")]:
+        if path.name == "registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in KINDS]
+                offenders += [f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}" for _ in constants[:1]]
+    assert not offenders, offenders

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from specdraft.io.target import SERVING_IDS, load_target, serving_name, target_fingerprint
+from specdraft.io.target import SERVING_IDS, load_target, same_target, serving_name, target_fingerprint
 from specdraft.models.drafter import BlockDrafter
 from specdraft.models.export import load_drafter, save_drafter
 from tests.helpers import save_tiny_model
@@ -42,18 +42,20 @@ def test_a_different_target_with_the_same_shapes_is_refused_naming_both(tmp_path
     theirs = save_tiny_model(tmp_path / "theirs", seed=1)  # same config, other weights
     export, _ = export_for(ours, tmp_path / "export", "my-target")
     other = load_target(theirs, "float32")
-    with pytest.raises(ValueError, match=r"distilled from target 'my-target' .*fingerprint .* but the target is "
-                                         r"'their-target' .*fingerprint"):
+    with pytest.raises(ValueError, match=r"distilled from target 'my-target' .*weights config .* but the target is "
+                                         r"'their-target' .*weights config"):
         load_drafter(export, other.model, "their-target")
 
 
 def test_fingerprint_ignores_dtype_and_folder(tmp_path):
     folder = save_tiny_model(tmp_path / "t")
     copy = shutil.copytree(folder, tmp_path / "copy")
-    fp32, bf16 = load_target(folder, "float32"), load_target(str(copy), "bfloat16")
-    assert target_fingerprint(fp32.model) == target_fingerprint(bf16.model)
-    other = load_target(save_tiny_model(tmp_path / "o", seed=2), "float32")
-    assert target_fingerprint(other.model) != target_fingerprint(fp32.model)
+    fp32 = target_fingerprint(load_target(folder, "float32").model)
+    for dtype in ("bfloat16", "float16"):
+        assert same_target(fp32, target_fingerprint(load_target(str(copy), dtype).model)), dtype
+    other = target_fingerprint(load_target(save_tiny_model(tmp_path / "o", seed=2), "float32").model)
+    assert not same_target(fp32, other)  # same config, other weights
+    assert not same_target(fp32, {**fp32, "config": "0" * 16})
 
 
 def test_an_alias_is_exported_as_its_hub_id(tmp_path):

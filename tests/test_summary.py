@@ -34,6 +34,7 @@ def test_summary_explains_a_slowdown_from_the_profile(tmp_path):
     assert "accepted 37% of the time" in text
 
 
-def test_summary_of_a_run_without_validation(tmp_path):
-    run = results(1.0, None) | {"lossless": None}
-    assert "validation      skipped" in "\n".join(summary_lines(run, tmp_path))
+def test_summary_of_a_run_without_validation_or_evaluation(tmp_path):
+    run = results(1.0, None) | {"lossless": None, "eval_tau_estimate": None}
+    text = "\n".join(summary_lines(run, tmp_path))
+    assert "validation      skipped" in text and "estimate tau n/a" in text

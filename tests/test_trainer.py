@@ -11,7 +11,7 @@ from tests.helpers import tiny_llama
 from specdraft.train.checkpoint import latest_checkpoint, load_checkpoint
 from specdraft.train.config import TrackingConfig, TrainerConfig
 from specdraft.models.drafter import BlockDrafter
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainJob, train
 from tests.helpers import examples, fresh_drafter, run
 
 
@@ -47,13 +47,13 @@ def test_resume_with_changed_data_is_refused(tmp_path):
     run(target, tmp_path)  # 6 steps on 6 examples; then the data grows under the checkpoint
     cfg = TrainerConfig(steps=8, batch_size=2, warmup_steps=1, checkpoint_every=2, eval_every=3)
     with pytest.raises(ValueError, match="trained on 6 examples .* but 7 are given now"):
-        train(fresh_drafter(target), target, examples(7), examples(2), (1, 2), 4, cfg,
-              TrackingConfig(wandb_mode="disabled"), tmp_path, {}, pad_id=0)
+        train(TrainJob(fresh_drafter(target), target, examples(7), examples(2), (1, 2), 4, 0, tmp_path), cfg,
+              TrackingConfig(wandb_mode="disabled"))
     changed = examples(6)
     changed[3]["input_ids"][-1] += 1  # same count, other tokens
     with pytest.raises(ValueError, match="the data changed"):
-        train(fresh_drafter(target), target, changed, examples(2), (1, 2), 4, cfg,
-              TrackingConfig(wandb_mode="disabled"), tmp_path, {}, pad_id=0)
+        train(TrainJob(fresh_drafter(target), target, changed, examples(2), (1, 2), 4, 0, tmp_path), cfg,
+              TrackingConfig(wandb_mode="disabled"))
 
 
 def test_compiled_layers_train_like_the_reference(tmp_path):
@@ -79,8 +79,8 @@ def test_evaluation_can_read_other_signals_than_training(tmp_path):
 
     target = tiny_llama(0)
     cfg = TrainerConfig(steps=2, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=10, eval_every=2, resume="never")
-    train(fresh_drafter(target), target, examples(), examples(2), (1, 2), 4, cfg, TrackingConfig(wandb_mode="disabled"),
-          tmp_path, {}, pad_id=0, signals=counted("train"), eval_signals=counted("eval"))
+    train(TrainJob(fresh_drafter(target), target, examples(), examples(2), (1, 2), 4, 0, tmp_path), cfg,
+          TrackingConfig(wandb_mode="disabled"), signals=counted("train"), eval_signals=counted("eval"))
     assert calls == {"train": 2, "eval": 1}
 
 

@@ -17,6 +17,7 @@ import torch
 from specdraft.train.losses import argmax_labels, distill_loss, position_weights
 from specdraft.train.on_policy import sample_block_tokens, target_probs_after_drafts
 from specdraft.train.signals import target_signals
+from specdraft.models.registry import kind
 from specdraft.models.standalone import standalone_pieces
 
 
@@ -89,10 +90,10 @@ def weight_sum(batch: Batch, num_anchors: int, block_size: int, decay: float, mo
     total = torch.zeros(())
     weights = position_weights(block_size, decay)
     for mask, seed in zip(batch.loss_mask.bool().cpu(), batch.sample_seeds.tolist()):  # a scalar: count on the CPU
-        if mode == "standalone":
+        if kind(mode).standalone:
             total = total + mask[1:].sum() * weights[0]
             continue
-        valid = unrolled_validity(mask, block_size) if mode == "eagle3" else slot_validity(
+        valid = unrolled_validity(mask, block_size) if kind(mode).unrolled else slot_validity(
             mask, sample_anchors(mask, num_anchors, seed), block_size)
         total = total + (valid * weights).sum()
     return total
@@ -124,14 +125,14 @@ def distill_step(
                                        drafter.draft_to_target)  # (B, T, L*H), (B, T, V_draft), (B, T)
     to_draft = target_to_draft_ids(drafter.draft_to_target, drafter.embed_tokens.num_embeddings)
     pieces = []
-    standalone_logits = drafter.logits(batch.input_ids, batch.attention_mask) if drafter.mode == "standalone" else None
+    standalone_logits = drafter.logits(batch.input_ids, batch.attention_mask) if kind(drafter.mode).standalone else None
     for b in range(batch.input_ids.shape[0]):
         mask = batch.loss_mask[b].bool()
         if standalone_logits is not None:
             draft_logits, rows, tokens, valid = standalone_pieces(standalone_logits[b], batch.input_ids[b], mask)
             pieces.append((draft_logits, probs[b][rows], outside[b][rows], to_draft[tokens], valid, None))
             continue
-        if drafter.mode == "eagle3":
+        if kind(drafter.mode).unrolled:
             draft_logits, rows, tokens, valid = eagle3_pieces(
                 drafter, features[b].to(drafter.fc.weight.dtype), batch.input_ids[b], mask)
             pieces.append((draft_logits, probs[b][rows], outside[b][rows], to_draft[tokens], valid, None))

@@ -204,89 +204,139 @@ def _throughput(tokens: int, seconds: float, samples: int) -> dict:
             **({"train/cuda_max_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {})}
 
 
-def train(drafter, target_model, train_examples, eval_examples, feature_layers, num_anchors: int,
-          cfg: TrainerConfig, tracking: TrackingConfig, run_dir: Path, config: dict, pad_id: int,
-          time_budget_s: float | None = None, accelerator=None, signals=None, tracker=None, eval_signals=None) -> dict:
-    """Train the drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples).
-    `signals` replaces the online target features (e.g. a train.feature_cache.FeatureCache); `tracker`, a W&B
-    run the caller owns (rank 0), is logged to and left open; without it the trainer starts and finishes its own.
-    `eval_signals` feeds held-out evaluation (default: `signals`; the exact target when training on a lossy cache)."""
+@dataclasses.dataclass
+class TrainJob:
+    """What a training run works on: the drafter (trained in place), its frozen target, the data, the run folder."""
+
+    drafter: torch.nn.Module
+    target_model: torch.nn.Module
+    train_examples: list[dict]
+    eval_examples: list[dict]
+    feature_layers: tuple[int, ...]
+    num_anchors: int
+    pad_id: int
+    run_dir: Path
+    config: dict = dataclasses.field(default_factory=dict)  # the resolved run config (W&B, checkpoints)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The loop's moving parts, set up once (optimizer, schedule, the DeepSpeed engine, where it resumes)."""
+
+    model: torch.nn.Module
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    engine: object  # a DeepSpeed engine, or None
+    start_step: int
+    per_step: int  # examples per optimizer step, all ranks
+    layout: dict  # ZeRO stage and world size, recorded in (and checked against) every checkpoint
+    fingerprint: str  # of the training data, same
+
+
+def _set_up(job: TrainJob, cfg: TrainerConfig, accelerator) -> _Loop:
+    """Optimizer and schedule, resume from the last complete checkpoint, DeepSpeed, torch.compile."""
     from transformers import get_cosine_schedule_with_warmup
 
-    accelerator = accelerator or make_accelerator(cfg)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world = accelerator.num_processes
     layout = {"deepspeed_zero_stage": accelerator.state.deepspeed_plugin.zero_stage if is_deepspeed(accelerator) else None,
               "world_size": world}
     torch.manual_seed(cfg.seed)
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    params = [p for p in job.drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
-    start_step, fingerprint = 0, data_fingerprint(train_examples)
-    resume = _resume_from(cfg, run_dir)
+    start_step, fingerprint = 0, data_fingerprint(job.train_examples)
+    resume = _resume_from(cfg, job.run_dir)
     if resume is not None:
-        state, meta = load_checkpoint(resume, drafter)
-        _check_resumable(resume, meta, fingerprint, len(train_examples), layout)
+        state, meta = load_checkpoint(resume, job.drafter)
+        _check_resumable(resume, meta, fingerprint, len(job.train_examples), layout)
         if "optimizer" in state:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         start_step = meta["step"]
-    device = accelerator.device
-    target_model.to(device)
+    job.target_model.to(accelerator.device)
     engine = None
     if is_deepspeed(accelerator):
         # DeepSpeed owns the reduction, clipping and optimizer step; the step function still calls the
         # drafter's own methods (ZeRO-1/2 hooks sit on the parameters, so that is enough).
-        engine, _ = accelerator.prepare(drafter, optimizer)
+        engine, _ = accelerator.prepare(job.drafter, optimizer)
         if resume is not None:
             engine.load_checkpoint(str(resume / "deepspeed"), tag="zero", load_optimizer_states=True,
                                    load_lr_scheduler_states=False, load_module_strict=False)
     if resume is not None:
         accelerator.print(f"resumed from {resume} at step {start_step}")
-    model = drafter.to(device)
+    model = job.drafter.to(accelerator.device)
     if cfg.compile:
         accelerator.print(f"torch.compile ({cfg.compile_backend}): {compile_layers(model, cfg.compile_backend)} draft layers")
     per_step = cfg.batch_size * cfg.grad_accum * world
-    if len(train_examples) < per_step:
+    if len(job.train_examples) < per_step:
         raise ValueError(
-            f"{len(train_examples)} training examples cannot fill one optimizer step of {per_step} "
+            f"{len(job.train_examples)} training examples cannot fill one optimizer step of {per_step} "
             f"(trainer.batch_size x trainer.grad_accum x {world} processes); add data or lower the batch"
         )
+    return _Loop(model, params, optimizer, scheduler, engine, start_step, per_step, layout, fingerprint)
+
+
+def _optimizer_step(job: TrainJob, loop: _Loop, cfg: TrainerConfig, batches: list[Batch], signals, accelerator):
+    """One global step over this rank's micro-batches: (summed local loss, grad norm, last metrics)."""
+    device, world = accelerator.device, accelerator.num_processes
+    local = sum(weight_sum(b, job.num_anchors, loop.model.block_size, cfg.position_decay, loop.model.mode) for b in batches)
+    total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32, device=device), reduction="sum")
+    step_loss = torch.zeros((), device=device)
+    for position, batch in enumerate(batches):
+        with accelerator.autocast():
+            loss, metrics = distill_step(loop.model, job.target_model, batch, job.feature_layers, job.num_anchors,
+                                         _settings(cfg), total, signals)
+        if loop.engine is None:
+            accelerator.backward(loss)
+        else:
+            _deepspeed_backward(loop.engine, loss, world * cfg.grad_accum, last=position == len(batches) - 1)
+        step_loss += loss.detach()
+    if loop.engine is None:
+        _all_reduce_gradients(loop.params, world)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(loop.params, cfg.clip_grad_norm))
+        loop.optimizer.step()
+        loop.optimizer.zero_grad(set_to_none=True)
+    else:  # the engine stepped (and clipped) inside the last backward of the step
+        grad_norm = float(loop.engine.get_global_grad_norm() or 0.0)
+    loop.scheduler.step()
+    return step_loss, grad_norm, metrics
+
+
+def _checkpoint(job: TrainJob, loop: _Loop, done: int, accelerator) -> None:
+    state = {"scheduler": loop.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+             **({"optimizer": loop.optimizer.state_dict()} if loop.engine is None else {})}
+    _save(accelerator, loop.engine, job.run_dir, done, loop.model, state, {
+        "examples_seen": done * loop.per_step, "num_examples": len(job.train_examples),
+        "data_fingerprint": loop.fingerprint, **loop.layout})
+
+
+def train(job: TrainJob, cfg: TrainerConfig, tracking: TrackingConfig, time_budget_s: float | None = None,
+          accelerator=None, signals=None, tracker=None, eval_signals=None) -> dict:
+    """Train job.drafter in place; return a summary (steps done, last metrics, eval, seconds, this rank's examples).
+    `signals` replaces the online target features (e.g. a train.feature_cache.FeatureCache); `tracker`, a W&B
+    run the caller owns (rank 0), is logged to and left open; without it the trainer starts and finishes its own.
+    `eval_signals` feeds held-out evaluation (default: `signals`; the exact target when training on a lossy cache)."""
+    accelerator = accelerator or make_accelerator(cfg)
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    loop = _set_up(job, cfg, accelerator)
     if signals is None:
         signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
     own_tracker = tracker is None
-    run = (start_tracking(tracking, run_dir, config) if own_tracker else tracker) if accelerator.is_main_process else None
-    summary = {"steps": start_step, "loss_history": [], "rank": rank, "world_size": world, "examples_seen": []}
-    trained_tokens = 0
-    began = time.perf_counter()
-    bar = tqdm(range(start_step, cfg.steps), desc="train", disable=not accelerator.is_main_process, mininterval=5)
-    model.train()
+    run = (start_tracking(tracking, job.run_dir, job.config) if own_tracker else tracker) if accelerator.is_main_process else None
+    summary = {"steps": loop.start_step, "loss_history": [], "rank": rank, "world_size": world, "examples_seen": []}
+    trained_tokens, began = 0, time.perf_counter()
+    bar = tqdm(range(loop.start_step, cfg.steps), desc="train", disable=not accelerator.is_main_process, mininterval=5)
+    loop.model.train()
     for step in bar:
         step_began = time.perf_counter()
-        epoch, indices = global_batch_indices(len(train_examples), step, per_step, cfg.seed)
+        epoch, indices = global_batch_indices(len(job.train_examples), step, loop.per_step, cfg.seed)
         micro = [indices[i : i + cfg.batch_size] for i in range(0, len(indices), cfg.batch_size)]
         mine = micro[rank::world]  # this rank's micro-batches of the global step
         summary["examples_seen"].append([i for m in mine for i in m])
-        batches = [_to(make_batch(train_examples, m, epoch, cfg.seed, pad_id), device) for m in mine]
-        local = sum(weight_sum(b, num_anchors, model.block_size, cfg.position_decay, model.mode) for b in batches)
-        total = accelerator.reduce(torch.as_tensor(local, dtype=torch.float32, device=device), reduction="sum")
-        step_loss = torch.zeros((), device=device)
-        for position, batch in enumerate(batches):
-            with accelerator.autocast():
-                loss, metrics = distill_step(model, target_model, batch, feature_layers, num_anchors, _settings(cfg), total, signals)
-            if engine is None:
-                accelerator.backward(loss)
-            else:
-                _deepspeed_backward(engine, loss, world * cfg.grad_accum, last=position == len(batches) - 1)
-            step_loss += loss.detach()
-        if engine is None:
-            _all_reduce_gradients(params, world)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:  # the engine stepped (and clipped) inside the last backward of the step
-            grad_norm = float(engine.get_global_grad_norm() or 0.0)
-        scheduler.step()
+        batches = [_to(make_batch(job.train_examples, m, epoch, cfg.seed, job.pad_id), device) for m in mine]
+        step_loss, grad_norm, metrics = _optimizer_step(job, loop, cfg, batches, signals, accelerator)
         # One collective for the global step loss, the tokens trained, and whether any rank is out of time
         # (every rank must agree on stopping, or one would wait forever in the next collective).
         late = time_budget_s is not None and time.perf_counter() - began > time_budget_s
@@ -297,19 +347,15 @@ def train(drafter, target_model, train_examples, eval_examples, feature_layers, 
         out_of_time = late_ranks > 0
         done, trained_tokens = step + 1, trained_tokens + int(tokens)
         logged = {"train/loss": float(step_loss), "train/tau_estimate": metrics["tau_estimate"],
-                  "train/tau_greedy": metrics["tau_greedy"], "train/lr": scheduler.get_last_lr()[0],
+                  "train/tau_greedy": metrics["tau_greedy"], "train/lr": loop.scheduler.get_last_lr()[0],
                   "train/grad_norm": grad_norm, **_by_position(metrics),
-                  **_throughput(int(tokens), time.perf_counter() - step_began, per_step)}
-        # Checkpoint before evaluating or logging, so a failure there cannot lose the step.
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
-            state = {"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                     **({"optimizer": optimizer.state_dict()} if engine is None else {})}
-            _save(accelerator, engine, run_dir, done, model, state, {
-                "examples_seen": done * per_step, "num_examples": len(train_examples), "data_fingerprint": fingerprint,
-                **layout})
-        if eval_examples and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
-            logged.update(evaluate(model, target_model, eval_examples, feature_layers, cfg, num_anchors, pad_id,
-                                   eval_signals or signals, accelerator))
+                  **_throughput(int(tokens), time.perf_counter() - step_began, loop.per_step)}
+        last = done == cfg.steps or out_of_time
+        if done % cfg.checkpoint_every == 0 or last:  # before evaluating or logging: a failure there cannot lose the step
+            _checkpoint(job, loop, done, accelerator)
+        if job.eval_examples and (done % cfg.eval_every == 0 or last):
+            logged.update(evaluate(loop.model, job.target_model, job.eval_examples, job.feature_layers, cfg,
+                                   job.num_anchors, job.pad_id, eval_signals or signals, accelerator))
         if run is not None:
             run.log(logged, step=done)
         bar.set_postfix(loss=f"{logged['train/loss']:.3f}", tau=f"{metrics['tau_estimate']:.2f}")

@@ -79,9 +79,10 @@ def serving_name(name_or_path: str) -> str:
     return str(Path(name_or_path).resolve()) if Path(name_or_path).is_dir() else name_or_path
 
 
-def target_fingerprint(model) -> str:
-    """Identifies a target's weights across machines, dtypes and folders: a hash of its config's shapes and of
-    64 evenly spaced embedding rows rounded to bfloat16 (a bf16 load and an fp32 load hash alike)."""
+def target_fingerprint(model) -> dict:
+    """Identifies a target's weights across machines, dtypes and folders: a hash of its config's shapes, and a
+    sample of its embedding matrix (16 values of 8 evenly spaced rows) compared with a tolerance that float32,
+    bfloat16 and float16 loads of the same weights meet (`same_target`)."""
     import hashlib
     import json
 
@@ -90,9 +91,18 @@ def target_fingerprint(model) -> str:
             "num_key_value_heads", "intermediate_size", "rope_theta", "tie_word_embeddings")
     shapes = json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True)
     embedding = model.get_input_embeddings().weight.detach()
-    rows = torch.linspace(0, embedding.shape[0] - 1, 64).long()
-    sample = embedding[rows].to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
-    return hashlib.sha256(shapes.encode() + sample).hexdigest()[:16]
+    rows = torch.linspace(0, embedding.shape[0] - 1, 8).long()
+    sample = embedding[rows, :16].float().cpu()
+    return {"config": hashlib.sha256(shapes.encode()).hexdigest()[:16],
+            "embedding_sample": [[float(f"{v:.6g}") for v in row] for row in sample.tolist()]}
+
+
+def same_target(recorded: dict, actual: dict) -> bool:
+    """Whether two fingerprints name the same weights (bf16 rounds by 0.4%, fp16 flushes values under 6e-5)."""
+    if recorded["config"] != actual["config"]:
+        return False
+    return torch.allclose(torch.tensor(recorded["embedding_sample"]), torch.tensor(actual["embedding_sample"]),
+                          rtol=1e-2, atol=1e-3)
 
 
 def target_modules(name_or_path: str) -> list[str]:

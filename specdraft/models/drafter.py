@@ -24,8 +24,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from specdraft.models.block_mask import block_attention_mask, block_positions
 from specdraft.models.heads import ConfidenceHead, MarkovHead
+from specdraft.models.registry import BLOCK_MODES, kind
 
-MODES = ("dspark", "dflash")
 
 
 def draft_layer_config(target_config, num_layers: int, config_class=Qwen3Config):
@@ -158,8 +158,8 @@ class BlockDrafter(nn.Module):
         draft_vocab_ids: torch.Tensor | None = None,
     ):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"drafter mode {mode!r}; choose one of {list(MODES)}")
+        if not kind(mode).block:
+            raise ValueError(f"drafter mode {mode!r} is not a block drafter; choose one of {list(BLOCK_MODES)}")
         self.config = draft_layer_config(target_config, num_layers)
         width, target_vocab = self.config.hidden_size, target_config.vocab_size
         self.mode, self.block_size, self.mask_token_id = mode, block_size, mask_token_id
@@ -177,7 +177,7 @@ class BlockDrafter(nn.Module):
         self.embed_tokens = nn.Embedding(target_vocab, width).requires_grad_(False)
         self.lm_head = nn.Linear(width, len(draft_vocab_ids), bias=False).requires_grad_(False)
         self.markov_head = self.confidence_head = None
-        if mode == "dspark":
+        if kind(mode).markov_head:  # DSpark: with it the confidence head
             self.markov_head = MarkovHead(target_vocab, len(draft_vocab_ids), markov_rank, width, markov_head_type)
             self.confidence_head = ConfidenceHead(width + markov_rank)
 

@@ -5,7 +5,9 @@
 machine-local cache folder); `specdraft.json` records the target the drafter was distilled from, by the name
 the user gave and a fingerprint of its weights, so decoding with another target is refused with both named,
 before any weight is touched. Loading reads the verifier's embeddings from the target actually loaded, so an
-export moves between machines with its target resolved there.
+export moves between machines with its target resolved there. (For the embedded alias that id names the original
+checkpoint, while the drafter was trained on the GGUF's dequantized Q4_1 weights: close, not equal, so a server
+verifying with it accepts slightly differently.)
 """
 
 from __future__ import annotations
@@ -16,13 +18,22 @@ from pathlib import Path
 import torch
 
 from specdraft.io.files import write_folder_atomically
-from specdraft.io.target import serving_name, target_fingerprint
+from specdraft.io.target import same_target, serving_name, target_fingerprint
 from specdraft.models.drafter import BlockDrafter
 from specdraft.models.eagle3 import Eagle3Drafter
+from specdraft.models.registry import kind
 from specdraft.models.speculators_export import export_speculators, import_speculators
 
 SIDECAR = "specdraft.json"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "model_type")
+
+
+def describe(fingerprint: dict | None) -> str:
+    """A fingerprint in an error message: its config hash and the first sampled embedding values."""
+    if fingerprint is None:
+        return "not recorded"
+    head = ", ".join(f"{v:.4f}" for v in fingerprint["embedding_sample"][1][:3])
+    return f"config {fingerprint['config']}, embedding sample [{head}, ...]"
 
 
 def target_signature(target_model, name_or_path: str) -> dict:
@@ -37,7 +48,7 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_l
     (a standalone drafter copies its tokenizer from there)."""
 
     def write(tmp: Path) -> None:
-        if getattr(drafter, "mode", None) == "standalone":  # a plain HF model + the target's tokenizer
+        if not kind(drafter.mode).speculators:  # a plain HF model + the target's tokenizer
             from transformers import AutoTokenizer
 
             drafter.merged().save_pretrained(tmp)
@@ -68,12 +79,13 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
         layer_config = json.loads((path / "config.json").read_text()).get("transformer_layer_config", {})
         expected = {"name_or_path": "(recorded in config.json)", **{k: layer_config.get(k) for k in SHAPE_KEYS}}
         keys = ("vocab_size", "hidden_size")
-    if any(expected[k] != actual[k] for k in keys) or expected.get("fingerprint", actual["fingerprint"]) != actual["fingerprint"]:
+    recorded = expected.get("fingerprint")  # exports made before fingerprints: shapes only
+    if any(expected[k] != actual[k] for k in keys) or (recorded is not None and not same_target(recorded, actual["fingerprint"])):
         raise ValueError(
             f"drafter {path} was distilled from target {expected['name_or_path']!r} "
-            f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}, fingerprint {expected.get('fingerprint')}) "
+            f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}, weights {describe(recorded)}) "
             f"but the target is {target_name!r} "
-            f"({', '.join(f'{k}={actual[k]}' for k in SHAPE_KEYS)}, fingerprint {actual['fingerprint']}); "
+            f"({', '.join(f'{k}={actual[k]}' for k in SHAPE_KEYS)}, weights {describe(actual['fingerprint'])}); "
             "decode with the target it was distilled from"
         )
     try:

@@ -26,6 +26,7 @@ import torch
 
 from specdraft.models.drafter import BlockDrafter
 from specdraft.models.eagle3 import Eagle3Drafter
+from specdraft.models.registry import kind
 
 SPECULATORS_CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}
 
@@ -50,7 +51,7 @@ def build_speculators_model(drafter, feature_layers, verifier_path: str, verifie
     layer_config = copy.deepcopy(drafter.config)
     target_vocab = verifier_config.vocab_size
     t2d, d2t = (None, None) if full_vocabulary(drafter, target_vocab) else vocab_mappings(drafter.draft_to_target.cpu(), target_vocab)
-    if drafter.mode == "eagle3":
+    if kind(drafter.mode).unrolled:
         return cls.from_training_args(
             verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier_path,
             draft_vocab_size=len(drafter.draft_to_target), norm_before_residual=False, ttt_steps=drafter.block_size,
@@ -61,7 +62,7 @@ def build_speculators_model(drafter, feature_layers, verifier_path: str, verifie
         block_size=drafter.block_size, mask_token_id=drafter.mask_token_id, target_layer_ids=list(feature_layers),
         sample_from_anchor=True, draft_attn_impl="eager",
     )
-    if drafter.mode == "dspark":
+    if kind(drafter.mode).markov_head:
         kwargs.update(markov_rank=drafter.markov_head.rank, markov_head_type=drafter.markov_head.head_type)
     return cls.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **kwargs)
 
@@ -103,7 +104,7 @@ def import_speculators(path: str | Path, target_config, verifier_path: str | Non
     else:
         draft_ids = torch.arange(target_config.vocab_size)
     _check_layer_config(config, target_config, path)
-    if mode == "eagle3":
+    if kind(mode).unrolled:
         variants = {k: getattr(config, k, False) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
         if any(variants.values()) or config.transformer_layer_config.num_hidden_layers != 1:
             raise ValueError(f"{path}: an Eagle-3 variant we do not implement ({variants}, "
