@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from specdraft.decode.backend import build_backend
 from specdraft.decode.config import BenchConfig
-from specdraft.decode.factory import attach_calibration, make_proposer
+from specdraft.decode.factory import attach_calibration, make_proposer, proposer_modules
 from specdraft.decode.generate import Generation
 from specdraft.decode.sampling import Sampler
 from specdraft.io import assets
@@ -108,7 +108,7 @@ class BenchSetup:
 
 def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     modules = target_modules(cfg.target.name_or_path) + source_modules(cfg.data.name, cfg.data.path)
-    assets.ensure(modules + (["speculators"] if cfg.proposer.name in ("drafter", "hybrid") else []), "specdraft-bench")
+    assets.ensure(modules + proposer_modules(cfg.proposer.name), "specdraft-bench")
     sampler = sampler or Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
     prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt, cfg.data.categories)
     if not prompts:

@@ -13,6 +13,11 @@ from specdraft.models.export import load_drafter
 from specdraft.models.registry import kind
 
 
+def proposer_modules(name: str) -> list[str]:
+    """The packages a proposer needs installed (specdraft.io.assets): speculators for trained drafters."""
+    return ["speculators"] if name in ("drafter", "hybrid") else []
+
+
 def drafter_proposer(drafter, feature_layers):
     """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass)."""
     proposer = Eagle3Proposer if kind(drafter.mode).unrolled else BlockDrafterProposer

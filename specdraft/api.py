@@ -20,7 +20,7 @@ import torch
 
 from specdraft.decode.backend import build_backend
 from specdraft.decode.config import ProposerConfig
-from specdraft.decode.factory import attach_calibration, make_proposer
+from specdraft.decode.factory import attach_calibration, make_proposer, proposer_modules
 from specdraft.decode.generate import Generation, speculative_generate
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import SCHEDULERS, build_scheduler
@@ -86,8 +86,7 @@ class SpecDecoder:
         proposer = proposer or ("drafter" if drafter else "ngram")
         if scheduler not in SCHEDULERS or scheduler == "load":
             raise ValueError(f"scheduler={scheduler!r}; choose fixed, threshold or cost (load is the batched engine's)")
-        assets.ensure(target_modules(target) + (["speculators"] if proposer in ("drafter", "hybrid") else []),
-                      "SpecDecoder")
+        assets.ensure(target_modules(target) + proposer_modules(proposer), "SpecDecoder")
         loaded = load_target(target, dtype, threads, device)
         made, _ = make_proposer(ProposerConfig(name=proposer, path=drafter), loaded, target, backend)
         attach_calibration(made, drafter, calibration)
