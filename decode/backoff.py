@@ -11,11 +11,18 @@ class Backoff:
     """The fallback to plain decoding: after a step whose speculation did not pay (nothing verified, or
     too little to repay the drafting: `backoff_count`), skip the drafter
     (backbone pass included) for 1, 2, 4, ... steps (at most `max_skip`), then draft again to probe.
-    It decides from finished steps only, before anything of the current step is drafted, so the
-    verified set never depends on the tokens being verified."""
 
-    def __init__(self, max_skip: int):
+    Where the rule can price a step after the fact (`settle`), the realized record counts too: a running
+    mean of what the drafter's verified steps produced beyond the break-even (the tokens plain decoding
+    makes in the same time). While it is negative the drafter is not paying whatever its confidences
+    promised (an optimistic head), and every such step counts as a failure. It decides from finished steps
+    only, before anything of the current step is drafted, so the verified set never depends on the tokens
+    being verified (a proposal may depend on the past in any way; the acceptance rule stays exact)."""
+
+    def __init__(self, max_skip: int, decay: float = 0.8):
         self.max_skip, self.streak, self.skip = max_skip, 0, 0
+        self.decay = decay  # weight of the past in the running mean: about 1 / (1 - decay) steps remembered
+        self.net: float | None = None  # running mean of tokens beyond break-even; None until a step settles
 
     def should_skip(self) -> bool:
         if self.skip > 0:
@@ -24,9 +31,26 @@ class Backoff:
         return False
 
     def observe(self, verified: int) -> None:
-        """After a step that drafted: how many positions the scheduler chose to verify."""
+        """After a step that drafted: how many positions the scheduler chose to verify. Once steps settle,
+        only their record clears a failure streak (a verified position is a promise, not a payoff)."""
         if verified > 0:
-            self.streak = 0
+            if self.net is None:
+                self.streak = 0
             return
+        self._fail()
+
+    def settle(self, tokens: int, break_even: float | None) -> None:
+        """After a verified step that drafted: the tokens it produced (accepted + the target's) against
+        `break_even`, the tokens plain decoding makes in the time the step took (None: not priced)."""
+        if break_even is None:
+            return
+        gain = tokens - break_even
+        self.net = gain if self.net is None else self.decay * self.net + (1 - self.decay) * gain
+        if self.net >= 0:
+            self.streak = 0
+        else:
+            self._fail()
+
+    def _fail(self) -> None:
         self.streak += 1
         self.skip = min(2 ** (self.streak - 1), self.max_skip)

@@ -23,7 +23,7 @@ from specdraft.decode.batch_session import BatchedSession
 from specdraft.decode.generate import Generation, _greedy_step, _pick, _sampling_step, draft, record_step
 from specdraft.decode.proposer import NoProposer, Proposal
 from specdraft.decode.sampling import Sampler
-from specdraft.decode.scheduler import (FixedRule, at, backoff_count, can_pay, cut, load_admits_any, load_pays, load_schedule, make_backoff,
+from specdraft.decode.scheduler import (FixedRule, at, backoff_count, break_even, can_pay, cut, load_admits_any, load_pays, load_schedule, make_backoff,
                               worth_drafting)
 
 
@@ -137,6 +137,8 @@ def batched_generate(
             k = len(item.proposal.tokens)
             accepted, next_token = accept_fn(item.proposal, logits[r, : k + 1], sampler, item.request.generator)
             counts.append(1 + accepted)
+            if item.backoff is not None and k:  # as the batch-1 loop: the step's record, about later steps
+                item.backoff.settle(1 + accepted, break_even(at(rule, len(item.context)), k))
             room = item.request.max_new_tokens - len(item.result.output_ids)
             at_eos = record_step(item.result, item.context, item.proposal, accepted, next_token, eos, room)
             item.done = at_eos or len(item.result.output_ids) >= item.request.max_new_tokens

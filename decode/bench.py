@@ -24,12 +24,12 @@ from specdraft import conf_dir  # noqa: E402
 from specdraft.decode.bench_setup import (atomic_write, hf_generate, repeat_report, run_interleaved, setup_bench,  # noqa: E402
                                           target_report)
 from specdraft.decode.config import BenchConfig, register_configs  # noqa: E402
-from specdraft.decode.generate import Generation, speculative_generate  # noqa: E402
+from specdraft.decode.decoder import SpecDecoder  # noqa: E402
+from specdraft.decode.generate import Generation  # noqa: E402
 from specdraft.decode.metrics import acceptance_stats, timing_stats  # noqa: E402
 from specdraft.decode.proposer import NoProposer  # noqa: E402
 from specdraft.decode.sampling import Sampler  # noqa: E402
 from specdraft.decode.scheduler import build_scheduler  # noqa: E402
-from specdraft.decode.session import CausalSession  # noqa: E402
 
 
 BENCH_MODES = ("single", "sweep", "load", "calibrate")
@@ -51,8 +51,10 @@ def run_bench(cfg: BenchConfig) -> dict:
         profile, profile_path, measured = bench.profile()
         profile_info = {"path": str(profile_path), "measured_now": measured}
     scheduler = build_scheduler(cfg.scheduler.name, cfg.scheduler.threshold, profile, cfg.scheduler.max_skip)
-    session = CausalSession(bench.backend, proposer.feature_layers)
-    plain_session = CausalSession(bench.backend)  # plain decoding gathers no hidden states: its real cost
+    # The library's decoder (decode/decoder.py), one per method on the shared backend; plain decoding gathers no
+    # hidden states: its real cost.
+    spec = SpecDecoder(target, proposer, scheduler, cfg.decode.num_draft, bench.backend)
+    plain = SpecDecoder(target, NoProposer(), None, 0, bench.backend)
     stop, pad, encoded = bench.stop, bench.pad, bench.encoded
 
     def run(kind: str, index: int, ids: list[int]) -> Generation:
@@ -61,7 +63,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         torch.manual_seed(seed)  # HF generate samples with the global generator
         common = (sampler, cfg.decode.max_new_tokens)
         if kind == "plain":
-            return speculative_generate(plain_session, ids, NoProposer(), *common, 0, stop, generator=generator)
+            return plain.run(ids, *common, generator)
         if kind == "spec" and cfg.scheduler.name == "load":  # the batched engine, one request at a time
             from specdraft.decode.batch_generate import LoadPolicy, Request, batched_generate
 
@@ -69,7 +71,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             return batched_generate(bench.backend, [request], proposer, sampler, cfg.decode.num_draft, stop, None,
                                     LoadPolicy(profile, scheduler), 1, pad)[0]
         if kind == "spec":
-            return speculative_generate(session, ids, proposer, *common, cfg.decode.num_draft, stop, scheduler, generator)
+            return spec.run(ids, *common, generator)
         if kind == "hf_generate":
             return hf_generate(target.model, ids, *common, stop, pad)
         return hf_generate(target.model, ids, *common, stop, pad, **bench.baseline_kwargs)

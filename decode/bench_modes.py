@@ -21,13 +21,12 @@ from tqdm import tqdm
 
 from specdraft.decode.batch_generate import LoadPolicy, Request, batched_generate
 from specdraft.decode.bench_setup import atomic_write, repeat_report, run_interleaved, target_report
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.decoder import SpecDecoder
 from specdraft.decode.metrics import acceptance_stats, timing_stats
 from specdraft.decode.oracle import oracle_ceiling
 from specdraft.decode.proposer import NoProposer, gives_confidence
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
-from specdraft.decode.session import CausalSession
 
 
 def _config(bench) -> dict:
@@ -57,17 +56,14 @@ def run_sweep(bench) -> dict:
         profile, path, measured = bench.profile()
         rules["cost"] = (block, CostRule(profile, max_skip=cfg.scheduler.max_skip))
         profile_info = {"path": str(path), "measured_now": measured}
-    session = CausalSession(bench.backend, proposer.feature_layers)
-    plain_session = CausalSession(bench.backend)  # plain decoding gathers no hidden states: its real cost
+    # one decoder per setting on the shared backend (decode/decoder.py); plain gathers no hidden states
+    decoders = {kind: SpecDecoder(bench.target, proposer, rule, num_draft, bench.backend)
+                for kind, (num_draft, rule) in rules.items()}
+    decoders["plain"] = SpecDecoder(bench.target, NoProposer(), None, 0, bench.backend)
 
     def run(kind, index, ids):
         generator = torch.Generator(device=bench.target.model.device).manual_seed(cfg.bench.seed + index)
-        if kind == "plain":
-            return speculative_generate(plain_session, ids, NoProposer(), sampler, cfg.decode.max_new_tokens, 0, bench.stop,
-                                        generator=generator)
-        num_draft, rule = rules[kind]
-        return speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, num_draft, bench.stop,
-                                    rule, generator)
+        return decoders[kind].run(ids, sampler, cfg.decode.max_new_tokens, generator)
 
     results = run_interleaved(["plain", *rules], run, bench.encoded, cfg.bench.repeats)
     plain, plain_tpot = (timing_stats(results["plain"])[k] for k in ("tokens_per_s", "tpot_s"))
@@ -214,7 +210,7 @@ def run_calibrate(bench) -> dict:
     if len(bench.encoded) < 2:
         raise ValueError("bench.mode=calibrate needs at least 2 prompts (half fit the temperatures, half evaluate them)")
     block = proposer.max_draft
-    session = CausalSession(bench.backend, proposer.feature_layers)
+    decoder = SpecDecoder(bench.target, proposer, FixedRule(), block, bench.backend)
     buckets = {}
     for temperature in cfg.calibrate.temperatures:
         name = "greedy" if temperature == 0 else "sampling"
@@ -224,8 +220,7 @@ def run_calibrate(bench) -> dict:
         gens = []
         for index, ids in enumerate(tqdm(bench.encoded, desc=f"calibrate {name}", mininterval=5)):
             generator = torch.Generator(device=bench.target.model.device).manual_seed(cfg.bench.seed + index)
-            gens.append(speculative_generate(session, ids, proposer, sampler, cfg.decode.max_new_tokens, block,
-                                             bench.stop, FixedRule(), generator))
+            gens.append(decoder.run(ids, sampler, cfg.decode.max_new_tokens, generator))
         buckets[name] = fit_bucket(gens[0::2], gens[1::2], block)
         buckets[name]["temperature"] = temperature
         buckets[name]["tau"] = acceptance_stats(gens)["tau"]

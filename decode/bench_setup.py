@@ -20,6 +20,7 @@ from specdraft.decode.sampling import Sampler
 from specdraft.io import assets
 from specdraft.io.data import chat_prompt_ids, load_prompts, source_modules
 from specdraft.io.target import eos_ids, load_target, target_modules
+from specdraft.models.export import recorded_target
 
 
 def build_proposer(cfg: BenchConfig, target):
@@ -106,7 +107,21 @@ class BenchSetup:
                                sizes, cfg.scheduler.profile_context, contexts=cfg.scheduler.profile_contexts)
 
 
+def with_verifier(cfg: BenchConfig) -> BenchConfig:
+    """The config with proposer.verifier applied: the target an export is verified with replaces target.name_or_path
+    ("export": the target the export records), so everything downstream (and results.json) names the one used."""
+    verifier = cfg.proposer.verifier
+    if verifier is None:
+        return cfg
+    if cfg.proposer.name not in ("drafter", "hybrid") or not cfg.proposer.path:
+        raise ValueError(f"proposer.verifier={verifier!r} applies to a drafter export (proposer=drafter or hybrid with "
+                         "proposer.path=EXPORT); set target.name_or_path to choose the target otherwise")
+    name = recorded_target(cfg.proposer.path) if verifier == "export" else verifier
+    return replace(cfg, target=replace(cfg.target, name_or_path=name))
+
+
 def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
+    cfg = with_verifier(cfg)
     modules = target_modules(cfg.target.name_or_path) + source_modules(cfg.data.name, cfg.data.path)
     assets.ensure(modules + proposer_modules(cfg.proposer.name), "specdraft-bench")
     sampler = sampler or Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)

@@ -22,6 +22,10 @@ class ProposerConfig:
     # a request's verify lengths, and so its sampled tokens at T > 0, do not depend on other requests)
     share_stats: bool = True
     path: str | None = None  # model: a causal LM with the target's tokenizer (None: the target itself); drafter: an export
+    # drafter/hybrid: the target to verify the export with, in place of target.name_or_path: "export" (the target
+    # the export records, resolved here: the embedded alias to its converted folder) or a folder / HF id (a local
+    # copy where the recorded id does not resolve on this machine). The export's fingerprint check still applies.
+    verifier: str | None = None
     num_layers: int | None = None  # model: keep only the first k decoder layers (None: all)
 
 

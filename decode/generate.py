@@ -18,7 +18,7 @@ import torch
 
 from specdraft.decode.proposer import Proposal, Proposer
 from specdraft.decode.sampling import Sampler, sample
-from specdraft.decode.scheduler import at, backoff_count, cut, make_backoff, worth_drafting
+from specdraft.decode.scheduler import at, backoff_count, break_even, cut, make_backoff, worth_drafting
 from specdraft.decode.session import CausalSession
 from specdraft.decode.verifier import greedy_accept, rejection_accept
 
@@ -46,27 +46,37 @@ def _stop_index(tokens: list[int], eos_ids: set[int], room: int) -> int:
     return min(len(tokens), room)
 
 
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What one generation asks for: how to sample, how long, how many tokens to draft, where to stop."""
+
+    sampler: Sampler = field(default_factory=Sampler)
+    max_new_tokens: int = 128
+    num_draft: int = 0  # tokens drafted per step at most (0: plain decoding)
+    eos_token_ids: frozenset[int] | tuple[int, ...] | list[int] = ()
+    scheduler: object | None = None  # a stopping rule from decode/scheduler.py (None: verify every drafted token)
+
+
 def speculative_generate(
     target: CausalSession,
     prompt_ids: list[int],
     proposer: Proposer,
-    sampler: Sampler,
-    max_new_tokens: int,
-    num_draft: int,
-    eos_token_ids: set[int] | list[int] = (),
-    scheduler=None,  # a stopping rule from decode/scheduler.py (None: verify every drafted token)
+    config: GenerateConfig,
+    *,
     generator: torch.Generator | None = None,
-    accept_fn: Callable | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,  # streaming: called with each step's new tokens
+    accept_fn: Callable | None = None,  # tests: another acceptance rule (negative controls)
 ) -> Generation:
-    """Generate up to `max_new_tokens` tokens; the output is distributed as target-only decoding."""
+    """Generate up to `config.max_new_tokens` tokens; the output is distributed as target-only decoding."""
+    sampler, max_new_tokens, num_draft, scheduler = (config.sampler, config.max_new_tokens, config.num_draft,
+                                                      config.scheduler)
     if max_new_tokens < 1:
         raise ValueError(f"decode.max_new_tokens={max_new_tokens}; it must be >= 1")
     if num_draft < 0 or (proposer.max_draft is not None and num_draft > proposer.max_draft):
         raise ValueError(f"decode.num_draft={num_draft} but this proposer drafts at most {proposer.max_draft} tokens")
     if not prompt_ids:
         raise ValueError("the prompt is empty; the target needs at least one token to condition on")
-    eos_ids = set(eos_token_ids)
+    eos_ids = set(config.eos_token_ids)
     if accept_fn is None:
         accept_fn = _greedy_step if sampler.greedy else _sampling_step
     start = time.perf_counter()
@@ -96,6 +106,8 @@ def speculative_generate(
         logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
         num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
         target.rollback(kept_length + 1 + num_accepted)
+        if backoff is not None and proposal.tokens:  # about the next steps only
+            backoff.settle(num_accepted + 1, break_even(rule, len(proposal.tokens)))
 
         done = len(result.output_ids)
         stop = record_step(result, context, proposal, num_accepted, next_token, eos_ids, room)

@@ -64,6 +64,11 @@ def backoff_count(rule, proposal: Proposal) -> int:
     return len(proposal.tokens) if rule.pays(proposal.confidence.tolist()) else 0
 
 
+def break_even(rule, verified: int) -> float | None:
+    """The tokens a finished step had to produce to pay (rules that price steps), else None."""
+    return rule.break_even(verified) if verified and hasattr(rule, "break_even") else None
+
+
 def at(rule, context_length: int):
     """The rule for one step of a request whose context holds `context_length` tokens."""
     return rule.at(context_length) if hasattr(rule, "at") else rule
@@ -135,6 +140,12 @@ class CostRule:
         backoff's question: a step that speculates only because its probe is already paid for does not
         justify probing again on the next step)."""
         return bool(confidences) and self.rate(confidences) > 1 / self._verify(1)
+
+    def break_even(self, verified: int) -> float:
+        """Tokens a step verifying `verified` drafted positions must produce to match plain decoding in the
+        time it takes (drafting included): the backoff's bar for a finished step (`Backoff.settle`)."""
+        drafting = self.profile.draft_s(verified, self.context) if self.drafting else 0.0
+        return (drafting + self._verify(1 + verified)) / self._verify(1)
 
     def can_pay(self, limit: int) -> bool:
         """Whether some ℓ <= limit could beat plain decoding at this context if every position survived."""

@@ -62,7 +62,7 @@ def bench_one(target, proposers: dict, num_draft: dict, layers: tuple, data: str
     from specdraft.decode.backend import build_backend
     from specdraft.decode.bench_setup import run_interleaved
     from specdraft.io.target import eos_ids
-    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
     from specdraft.decode.metrics import acceptance_stats, timing_stats
     from specdraft.decode.proposer import NoProposer
     from specdraft.decode.sampling import Sampler
@@ -80,10 +80,10 @@ def bench_one(target, proposers: dict, num_draft: dict, layers: tuple, data: str
     def run(kind: str, index: int, ids: list[int]):
         generator = torch.Generator().manual_seed(seed + index)
         if kind == "plain":
-            return speculative_generate(plain_session, ids, NoProposer(), sampler, max_new_tokens, 0, stop, generator=generator)
-        proposer = proposers[kind]
-        return speculative_generate(session, ids, proposer, sampler, max_new_tokens, num_draft[kind], stop,
-                                    generator=generator)
+            config = GenerateConfig(sampler, max_new_tokens, 0, stop)
+            return speculative_generate(plain_session, ids, NoProposer(), config, generator=generator)
+        config = GenerateConfig(sampler, max_new_tokens, num_draft[kind], stop)
+        return speculative_generate(session, ids, proposers[kind], config, generator=generator)
 
     results = run_interleaved(["plain", *proposers], run, encoded)
     plain = timing_stats(results["plain"])

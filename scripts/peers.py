@@ -45,17 +45,22 @@ def llama_bin_dir() -> Path | None:
 def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[dict, dict]:
     """name -> run(index, ids) for every Python method, and name -> how it was configured."""
     from specdraft.decode.bench_setup import hf_generate
-    from specdraft.decode.generate import speculative_generate
-    from specdraft.decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, NoProposer, load_model_proposer
+    from specdraft.decode.config import ProposerConfig
+    from specdraft.decode.factory import attach_calibration, make_proposer
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
+    from specdraft.decode.proposer import NoProposer, load_model_proposer
     from specdraft.decode.sampling import Sampler
     from specdraft.decode.scheduler import CostRule
     from specdraft.decode.session import CausalSession
-    from specdraft.decode.fast_drafter import drafter_for_backend
-    from specdraft.models.export import load_drafter
+
+    def proposer(name: str):  # the bench's factory, with the export's calibration where it has one
+        made, _ = make_proposer(ProposerConfig(name=name, max_ngram=args.max_ngram, path=args.drafter), target, args.target)
+        attach_calibration(made, args.drafter)
+        return made
 
     sampler = Sampler(args.temperature)
     plain_session = CausalSession(backend)
-    lookup = NgramProposer(args.max_ngram)
+    lookup = proposer("ngram")
     assistant, assistant_model = load_model_proposer(target.path, args.assistant_layers, target)
     for key, value in (("num_assistant_tokens", args.num_draft), ("num_assistant_tokens_schedule", "constant"),
                        ("assistant_confidence_threshold", 0.0)):
@@ -70,17 +75,10 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
     proposers["ours_assisted"] = (assistant, args.num_draft)
     profile = None
     if args.drafter:
-        drafter, layers = load_drafter(args.drafter, target.model, args.target)
-        drafter = drafter_for_backend(drafter)
-        trained = BlockDrafterProposer(drafter, layers)
-        calibration = Path(args.drafter) / "calibration.json"
-        if calibration.is_file():
-            from specdraft.decode.calibrate import read_calibration
-
-            trained.calibration = read_calibration(calibration)
-        proposers["ours_drafter"] = (trained, drafter.block_size)
-        proposers["ours_hybrid"] = (HybridProposer(NgramProposer(args.max_ngram), trained.clone()), args.num_draft)
-        described["ours_drafter"] = f"{args.drafter} (block {drafter.block_size}), scheduler={args.scheduler}"
+        trained = proposer("drafter")
+        proposers["ours_drafter"] = (trained, trained.max_draft)
+        proposers["ours_hybrid"] = (proposer("hybrid"), args.num_draft)
+        described["ours_drafter"] = f"{args.drafter} (block {trained.max_draft}), scheduler={args.scheduler}"
         described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
     if args.scheduler == "cost":
         from specdraft.decode.profile import load_or_measure
@@ -99,7 +97,8 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
 
         def run(index, ids):
             generator = torch.Generator().manual_seed(args.seed + index)
-            return speculative_generate(sessions[name], ids, proposer, sampler, args.max_new_tokens, num_draft, stop, rule, generator)
+            config = GenerateConfig(sampler, args.max_new_tokens, num_draft, stop, rule)
+            return speculative_generate(sessions[name], ids, proposer, config, generator=generator)
         return run
 
     def seeded(fn):
@@ -115,8 +114,9 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
                                                            max_matching_ngram_size=args.max_ngram)),
         "hf_assisted": seeded(lambda ids: hf_generate(target.model, ids, sampler, args.max_new_tokens, stop, pad,
                                                       assistant_model=assistant_model)),
-        "ours_plain": lambda index, ids: speculative_generate(plain_session, ids, NoProposer(), sampler, args.max_new_tokens,
-                                                              0, stop, generator=torch.Generator().manual_seed(args.seed + index)),
+        "ours_plain": lambda index, ids: speculative_generate(
+            plain_session, ids, NoProposer(), GenerateConfig(sampler, args.max_new_tokens, 0, stop),
+            generator=torch.Generator().manual_seed(args.seed + index)),
         **{name: ours(name) for name in proposers},
     }
     return methods, described
@@ -187,7 +187,9 @@ def summarize(results: dict, reference: str = "hf_generate") -> dict:
                       "e2e_vs_plain": timing["tokens_per_s"] / plain["tokens_per_s"],
                       "tau": accept["tau"] if name.startswith("ours_") else None,
                       "ttft_s": timing["ttft_s"] if name.startswith("ours_") else None,
-                      "equal_to_hf_generate": all(g.output_ids == r.output_ids for g, r in zip(gens, results[reference]))}
+                      "equal_to_hf_generate": all(g.output_ids == r.output_ids for g, r in zip(gens, results[reference]))
+                      if reference == "hf_generate" else None,
+                      "equal_to_plain": all(g.output_ids == p.output_ids for g, p in zip(gens, results["ours_plain"]))}
     return rows
 
 
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--assistant-layers", type=int, default=4)
     parser.add_argument("--scheduler", choices=["fixed", "cost"], default="cost")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", nargs="*", default=None,
+                        help="run only these Python methods (ours_plain always runs: every ratio is to it), e.g. "
+                             "ours_ngram ours_drafter ours_hybrid for a hybrid against its parts in one run")
     parser.add_argument("--out", type=Path, default=Path("peers"))
     args = parser.parse_args(argv)
 
@@ -270,8 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.data, args.data_path, args.num_prompts, categories=args.categories)
     encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
     methods, described = python_methods(args, target, backend, stop, pad)
+    if args.methods is not None:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
+        methods = {k: v for k, v in methods.items() if k in args.methods or k == "ours_plain"}
+        described = {k: v for k, v in described.items() if k in methods}
     results = run_interleaved(list(methods), lambda kind, index, ids: methods[kind](index, ids), encoded)
-    rows = summarize(results)
+    rows = summarize(results, "hf_generate" if "hf_generate" in results else "ours_plain")
     texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                                   tokenize=False) for p in prompts]
     rows.update(llama_rows(args, texts, llama_bin_dir()))

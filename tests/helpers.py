@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdraft.decode.batch_generate import Request, batched_generate
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.config import register_configs
 from specdraft.decode.profile import CostProfile
 from specdraft.decode.sampling import Sampler
@@ -166,8 +166,8 @@ def batch1(model, proposer, sampler, num_draft, rule=None, seed=0):
     outs = []
     for i, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         generator = torch.Generator().manual_seed(seed + i)
-        outs.append(speculative_generate(session, prompt, proposer.clone(), sampler, limit, num_draft, EOS, rule,
-                                         generator).output_ids)
+        config = GenerateConfig(sampler, limit, num_draft, EOS, rule)
+        outs.append(speculative_generate(session, prompt, proposer.clone(), config, generator=generator).output_ids)
     return outs
 
 

@@ -94,3 +94,13 @@ def test_distill_api_runs_the_pipeline(tiny_model_dir, prompts_file, tmp_path):
                                 run_dir=str(tmp_path / "run"))
     assert results["lossless"] is True and results["train_steps"] == 2
     assert (tmp_path / "run" / "export" / "config.json").is_file() and (tmp_path / "run" / "results.json").is_file()
+
+
+def test_an_export_names_its_own_target(tiny_model_dir, tiny_export):
+    """Without a target, the decoder and load_drafter take the one the export records."""
+    decoder = SpecDecoder.from_pretrained(drafter=str(tiny_export), dtype="float32", num_draft=2)
+    assert decoder.target.path == tiny_model_dir
+    [out] = decoder.generate("w1 w2 w3 w1 w2", SamplingParams(max_new_tokens=8))
+    assert out.token_ids == oracle(decoder, "w1 w2 w3 w1 w2", 8)
+    drafter, layers = specdraft.load_drafter(str(tiny_export))
+    assert layers == (1, 2)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdraft.decode.bench import run_bench
-from tests.helpers import bench_config
+from tests.helpers import bench_config, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {
@@ -71,7 +71,7 @@ def test_sampled_plain_loop_equals_hf_generate_with_same_seed(target_model, sett
     import torch
 
     from specdraft.decode.bench_setup import hf_generate, strip_generation_defaults
-    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
     from specdraft.decode.proposer import NoProposer
     from specdraft.decode.sampling import Sampler
     from specdraft.decode.session import CausalSession
@@ -82,7 +82,7 @@ def test_sampled_plain_loop_equals_hf_generate_with_same_seed(target_model, sett
     session = CausalSession(target_model)
     for seed in range(4):
         torch.manual_seed(seed)
-        ours = speculative_generate(session, [5, 6, 7], NoProposer(), sampler, 25, 0).output_ids
+        ours = speculative_generate(session, [5, 6, 7], NoProposer(), GenerateConfig(sampler, 25, 0)).output_ids
         torch.manual_seed(seed)
         theirs = hf_generate(target_model, [5, 6, 7], sampler, 25, [], 0).output_ids
         assert ours == theirs
@@ -113,3 +113,22 @@ def test_repeats_keep_the_fastest_run_and_rotate_the_order():
     assert (a.repeats_differ, b.repeats_differ) == (0, 1)
     with pytest.raises(ValueError, match="bench.repeats=0"):
         run_interleaved(["a"], run, [list(range(20))], repeats=0)
+
+
+def test_proposer_verifier_picks_the_target_an_export_is_verified_with(tiny_model_dir, tiny_export, prompts_file,
+                                                                       tmp_path):
+    """proposer.verifier=export takes the target the export records (target.name_or_path is ignored), a path is
+    checked against the export's fingerprint, and the option needs a drafter export."""
+    from specdraft.decode.bench_setup import with_verifier
+
+    base = ["proposer=drafter", f"proposer.path={tiny_export}", "target.name_or_path=some/other-model",
+            f"out_dir={tmp_path / 'o'}"]
+    cfg = with_verifier(bench_config(base + ["proposer.verifier=export"]))
+    assert cfg.target.name_or_path == tiny_model_dir
+    other = save_tiny_model(tmp_path / "other", seed=5)  # same shapes, other weights
+    run = bench_config(base + [f"proposer.verifier={other}", "target.dtype=float32", "data=jsonl",
+                               f"data.path={prompts_file}"])
+    with pytest.raises(ValueError, match=f"but the target is '{other}'.*proposer.verifier=export"):
+        run_bench(run)
+    with pytest.raises(ValueError, match="applies to a drafter export"):
+        with_verifier(bench_config(["proposer=ngram", "proposer.verifier=export", f"out_dir={tmp_path}"]))

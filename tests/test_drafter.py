@@ -73,7 +73,7 @@ def test_reduced_draft_vocabulary_maps_rows():
 
 @pytest.mark.parametrize("mode", ["dspark", "dflash"])
 def test_block_drafter_proposer_is_lossless_greedy(mode):
-    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
     from specdraft.decode.proposer import BlockDrafterProposer
     from specdraft.decode.sampling import Sampler
     from specdraft.decode.session import CausalSession
@@ -84,10 +84,10 @@ def test_block_drafter_proposer_is_lossless_greedy(mode):
     session = CausalSession(target, proposer.feature_layers)
     for prompt in ([3, 1, 4, 1, 5], [9], [7, 7, 7, 7, 7, 7, 7, 7]):
         for num_draft in (1, 3, 4):
-            got = speculative_generate(session, prompt, proposer, Sampler(), 20, num_draft)
+            got = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 20, num_draft))
             assert got.output_ids == hf_greedy(target, prompt, 20)
     with pytest.raises(ValueError, match="drafts at most 4"):
-        speculative_generate(session, [1, 2], proposer, Sampler(), 5, 5)
+        speculative_generate(session, [1, 2], proposer, GenerateConfig(Sampler(), 5, 5))
 
 
 def test_block_drafter_proposer_sampling_returns_its_q():
@@ -137,7 +137,7 @@ def test_target_features_are_the_chosen_hidden_states():
 
 
 def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
-    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
     from specdraft.decode.proposer import BlockDrafterProposer, Proposal
     from specdraft.decode.sampling import Sampler
     from specdraft.decode.scheduler import build_scheduler, cut
@@ -153,7 +153,8 @@ def test_threshold_scheduler_cuts_at_first_low_confidence_and_stays_lossless():
     proposer = BlockDrafterProposer(drafter, (1, 2))
     session = CausalSession(target, (1, 2))
     for threshold in (0.0, 0.5, 1.0):
-        got = speculative_generate(session, [2, 7, 1, 8], proposer, Sampler(), 18, 4, scheduler=build_scheduler("threshold", threshold))
+        config = GenerateConfig(Sampler(), 18, 4, scheduler=build_scheduler("threshold", threshold))
+        got = speculative_generate(session, [2, 7, 1, 8], proposer, config)
         assert got.output_ids == hf_greedy(target, [2, 7, 1, 8], 18)
         if threshold == 1.0:
             assert set(got.drafted) == {0}  # confidence < 1 always: plain decoding

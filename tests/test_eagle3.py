@@ -30,7 +30,7 @@ def test_training_time_test_equals_step_by_step_inference():
 
 
 def test_eagle3_proposer_is_lossless_greedy_and_sampling_q_is_exact():
-    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
     from specdraft.decode.proposer import Eagle3Proposer
     from specdraft.decode.sampling import Sampler
     from specdraft.decode.session import CausalSession
@@ -40,7 +40,7 @@ def test_eagle3_proposer_is_lossless_greedy_and_sampling_q_is_exact():
     session = CausalSession(target, (1, 2))
     for prompt in ([3, 1, 4, 1, 5], [9], [6, 6, 6, 6]):
         for num_draft in (1, 2, 4):
-            got = speculative_generate(session, prompt, proposer, Sampler(), 15, num_draft)
+            got = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 15, num_draft))
             assert got.output_ids == hf_greedy(target, prompt, 15)
     _, features = session.forward([5, 6, 7], last_only=True)
     session.reset()

@@ -8,7 +8,7 @@ import torch
 
 from specdraft.decode.batch_draft import propose_blocks
 from specdraft.decode.fast_drafter import PackedLinearModule, drafter_for_backend, fast_drafter
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.session import CausalSession
@@ -65,7 +65,8 @@ def test_eagle3_twin_decodes_exactly():
     proposer = Eagle3Proposer(fast_drafter(drafter), (1, 2))
     session = CausalSession(target, (1, 2))
     for prompt in ([3, 1, 4, 1, 5], [6, 6, 6, 6]):
-        assert speculative_generate(session, prompt, proposer, Sampler(), 15, 3).output_ids == hf_greedy(target, prompt, 15)
+        got = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 15, 3)).output_ids
+        assert got == hf_greedy(target, prompt, 15)
 
 
 def test_backend_setting_picks_the_twin_or_the_reference():

@@ -13,7 +13,7 @@ from specdraft.decode.backend import HFBackend, build_backend, fast_unavailable
 from specdraft.decode.batch_generate import LoadPolicy
 from specdraft.decode.batch_session import BatchedSession
 from specdraft.decode.fast_target import FastTarget, Unsupported
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, ModelProposer, NgramProposer,
                              NoProposer, gives_confidence)
 from specdraft.decode.sampling import Sampler
@@ -167,7 +167,7 @@ def test_fast_plain_decoding_equals_hf_generate_on_long_runs():
     model = tiny_llama(3, layers=3)
     session = CausalSession(FastTarget(model))
     for prompt in ([5, 9, 2], list(range(20, 60))):
-        got = speculative_generate(session, prompt, NoProposer(), Sampler(), 120, 0).output_ids
+        got = speculative_generate(session, prompt, NoProposer(), GenerateConfig(Sampler(), 120, 0)).output_ids
         assert got == hf_greedy(model, prompt, 120)
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import ModelProposer, NgramProposer, NoProposer, Proposal
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.session import CausalSession
@@ -53,7 +53,7 @@ def test_greedy_equals_hf_generate(target_model, other_model, kind, num_draft):
         prompt = random_prompt(rng, rng.randrange(1, 24))
         max_new = rng.randrange(1, 40)
         expected = hf_greedy(target_model, prompt, max_new)
-        got = speculative_generate(session, prompt, proposer, GREEDY, max_new, num_draft)
+        got = speculative_generate(session, prompt, proposer, GenerateConfig(GREEDY, max_new, num_draft))
         assert got.output_ids == expected
         assert len(got.output_ids) == max_new
 
@@ -61,7 +61,7 @@ def test_greedy_equals_hf_generate(target_model, other_model, kind, num_draft):
 def test_identical_drafter_accepts_everything(target_model):
     session = CausalSession(target_model)
     prompt = [5, 9, 13, 2, 7]
-    got = speculative_generate(session, prompt, ModelProposer(target_model), GREEDY, 33, 4)
+    got = speculative_generate(session, prompt, ModelProposer(target_model), GenerateConfig(GREEDY, 33, 4))
     assert got.output_ids == hf_greedy(target_model, prompt, 33)
     assert got.accepted == got.drafted  # every drafted token survived
     assert got.drafted[:-1] == [4] * (len(got.drafted) - 1)
@@ -71,7 +71,7 @@ def test_identical_drafter_accepts_everything(target_model):
 def test_always_wrong_drafter_accepts_nothing_and_output_still_equal(target_model):
     session = CausalSession(target_model)
     prompt = [3, 14, 15, 9, 26]
-    got = speculative_generate(session, prompt, ShiftedProposer(target_model), GREEDY, 20, 5)
+    got = speculative_generate(session, prompt, ShiftedProposer(target_model), GenerateConfig(GREEDY, 20, 5))
     assert got.output_ids == hf_greedy(target_model, prompt, 20)
     assert sum(got.accepted) == 0 and sum(got.drafted) > 0
 
@@ -86,7 +86,7 @@ def test_eos_inside_accepted_block(target_model, proposer_kind):
     expected = hf_greedy(target_model, prompt, 30, eos=[eos])
     assert expected[-1] == eos and len(expected) == eos_position + 1
     proposer = ModelProposer(target_model) if proposer_kind == "model" else NgramProposer()
-    got = speculative_generate(CausalSession(target_model), prompt, proposer, GREEDY, 30, 8, eos_token_ids=[eos])
+    got = speculative_generate(CausalSession(target_model), prompt, proposer, GenerateConfig(GREEDY, 30, 8, [eos]))
     assert got.output_ids == expected
     if proposer_kind == "model":
         # The EOS was an accepted drafted token, not the target's bonus token: the last step kept
@@ -98,7 +98,8 @@ def test_eos_inside_accepted_block(target_model, proposer_kind):
 def test_eos_as_first_token(target_model):
     prompt = [1, 2, 3]
     first = hf_greedy(target_model, prompt, 1)[0]
-    got = speculative_generate(CausalSession(target_model), prompt, ModelProposer(target_model), GREEDY, 10, 4, [first])
+    got = speculative_generate(CausalSession(target_model), prompt, ModelProposer(target_model),
+                               GenerateConfig(GREEDY, 10, 4, [first]))
     assert got.output_ids == [first] == hf_greedy(target_model, prompt, 10, eos=[first])
     assert got.drafted == []  # no verify step after prefill
 
@@ -108,19 +109,19 @@ def test_max_new_tokens_one_and_prompt_length_one(target_model):
     for prompt, max_new in [([7], 1), ([7], 12), ([7, 8, 9], 1)]:
         for proposer in (NgramProposer(), ModelProposer(target_model), NoProposer()):
             num_draft = 0 if isinstance(proposer, NoProposer) else 3
-            got = speculative_generate(session, prompt, proposer, GREEDY, max_new, num_draft)
+            got = speculative_generate(session, prompt, proposer, GenerateConfig(GREEDY, max_new, num_draft))
             assert got.output_ids == hf_greedy(target_model, prompt, max_new)
 
 
 def test_plain_loop_equals_hf_generate(target_model):
-    got = speculative_generate(CausalSession(target_model), [10, 20, 30], NoProposer(), GREEDY, 25, 0)
+    got = speculative_generate(CausalSession(target_model), [10, 20, 30], NoProposer(), GenerateConfig(GREEDY, 25, 0))
     assert got.output_ids == hf_greedy(target_model, [10, 20, 30], 25)
     assert got.drafted == [0] * 24
 
 
 def test_num_draft_beyond_proposer_limit_is_refused(target_model):
     with pytest.raises(ValueError, match="drafts at most 0"):
-        speculative_generate(CausalSession(target_model), [1, 2], NoProposer(), GREEDY, 5, 2)
+        speculative_generate(CausalSession(target_model), [1, 2], NoProposer(), GenerateConfig(GREEDY, 5, 2))
 
 
 class AtMostTwo:
@@ -134,7 +135,8 @@ class AtMostTwo:
 
 def test_scheduler_rule_truncates_blocks(target_model):
     session = CausalSession(target_model)
-    got = speculative_generate(session, [5, 6, 7], ModelProposer(target_model), GREEDY, 20, 6, scheduler=AtMostTwo())
+    config = GenerateConfig(GREEDY, 20, 6, scheduler=AtMostTwo())
+    got = speculative_generate(session, [5, 6, 7], ModelProposer(target_model), config)
     assert set(got.drafted) <= {0, 1, 2}
     assert got.output_ids == hf_greedy(target_model, [5, 6, 7], 20)
 
@@ -176,7 +178,7 @@ def test_verifier_hands_over_features_of_exactly_the_kept_positions(target_model
     """The drafter's context grows from the verify forward: features of pending + accepted tokens, in order."""
     recorder = FeatureRecorder(ModelProposer(other_model) if inner == "model" else NgramProposer())
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-    got = speculative_generate(CausalSession(target_model, (1, 2)), prompt, recorder, GREEDY, 25, 4)
+    got = speculative_generate(CausalSession(target_model, (1, 2)), prompt, recorder, GenerateConfig(GREEDY, 25, 4))
     features = torch.cat(recorder.chunks)  # (positions in the target cache, 2 * hidden)
     sequence = prompt + got.output_ids[:-1]  # everything but the pending last token is in the cache
     with torch.inference_mode():
@@ -198,7 +200,7 @@ def test_partially_right_drafter(target_model):
     partial = 0
     for _ in range(6):
         prompt = random_prompt(rng, rng.randrange(1, 16))
-        got = speculative_generate(session, prompt, proposer, GREEDY, 30, 5)
+        got = speculative_generate(session, prompt, proposer, GenerateConfig(GREEDY, 30, 5))
         assert got.output_ids == hf_greedy(target_model, prompt, 30)
         partial += sum(1 for d, a in zip(got.drafted, got.accepted) if 0 < a < d)
     assert partial > 0

@@ -4,9 +4,10 @@ both parts in step with the accepted text, and the drafter backed off without st
 from __future__ import annotations
 
 import pytest
+import torch
 
-from specdraft.decode.generate import speculative_generate
-from specdraft.decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, gives_confidence
+from specdraft.decode.generate import GenerateConfig, speculative_generate
+from specdraft.decode.proposer import BlockDrafterProposer, HybridProposer, NgramProposer, Proposal, gives_confidence
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import CostRule, ThresholdRule
 from specdraft.decode.session import CausalSession
@@ -60,7 +61,7 @@ def test_both_parts_follow_the_accepted_text(monkeypatch):
     parts = record_parts(monkeypatch)
     session = CausalSession(target, proposer.feature_layers)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 10, 11, 12, 13]
-    gen = speculative_generate(session, prompt, proposer, Sampler(), 30, 4)
+    gen = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 30, 4))
     assert {"lookup", "trained"} <= set(parts)
     trained = proposer.trained
     trained.flush()
@@ -85,7 +86,7 @@ def test_the_drafter_part_backs_off_while_lookup_keeps_drafting(monkeypatch):
     profile.draft = [0.5] * 5  # the drafter never pays here; lookup, priced without its drafting, does
     rule = CostRule(profile, max_skip=8)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 10]
-    out = speculative_generate(session, prompt, proposer, Sampler(), 40, 4, scheduler=rule).output_ids
+    out = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 40, 4, scheduler=rule)).output_ids
     assert out == hf_greedy(target, prompt, 40)
     steps_without_lookup = sum(part != "lookup" for part in parts)
     assert "lookup" in parts and 0 < len(calls) < steps_without_lookup  # the drafter was probed, then skipped
@@ -99,8 +100,31 @@ def test_confidence_logits_stay_aligned_with_drafting_steps(monkeypatch):
     target, proposer = hybrid()
     parts = record_parts(monkeypatch)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 10, 11, 12, 13]
-    gen = speculative_generate(CausalSession(target, proposer.feature_layers), prompt, proposer, Sampler(), 30, 4)
+    session = CausalSession(target, proposer.feature_layers)
+    gen = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 30, 4))
     drafted_by = [part for part, d in zip(parts, gen.drafted) if d > 0]
     assert len(gen.confidence_logits) == len(drafted_by)
     assert [bool(z) for z in gen.confidence_logits] == [part == "trained" for part in drafted_by]
     assert len(first_position_steps(len(prompt), gen)) == drafted_by.count("trained")
+
+
+def test_a_drafter_part_that_promises_but_does_not_deliver_is_backed_off_by_its_record():
+    """Its confidence head says every position survives (so the rule verifies them), but its tokens are wrong:
+    the realized record (Backoff.settle) stops it; the promise-only record would keep it drafting every step."""
+    target, proposer = hybrid()
+    vocab, calls = target.config.vocab_size, []
+    inner = proposer.trained.propose
+
+    def overconfident(context_ids, num_draft, sampler, generator, rule=None):
+        calls.append(1)
+        real = inner(context_ids, num_draft, sampler, generator, None)
+        wrong = [(t + 1) % vocab for t in real.tokens]  # never the target's greedy token here
+        return Proposal(wrong, confidence=torch.ones(len(wrong)), scheduled=True)
+
+    proposer.trained.propose = overconfident
+    rule = CostRule(synthetic_profile(per_token=0.001), max_skip=8)  # cheap drafting: a sure position pays
+    prompt = [9, 3, 17, 4, 22, 1]  # no repeats: lookup rarely matches
+    session = CausalSession(target, proposer.feature_layers)
+    gen = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 40, 4, scheduler=rule))
+    assert gen.output_ids == hf_greedy(target, prompt, 40)
+    assert proposer.backoff.net < 0 and len(calls) < len(gen.drafted) / 2

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import NgramProposer, SurvivalStats, ngram_match
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import CostRule, ThresholdRule
@@ -52,7 +52,7 @@ def test_proposer_learns_from_what_the_loop_kept(target_model):
     proposer = NgramProposer(max_ngram=3)
     session = CausalSession(target_model)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
-    speculative_generate(session, prompt, proposer, Sampler(), 20, 4)
+    speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 20, 4))
     assert sum(map(sum, proposer.stats.tries)) > 0
     # Clones share what was learned; each keeps its own pending step.
     clone = proposer.clone()

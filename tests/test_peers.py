@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,14 +19,18 @@ def load_script(name: str):
     return module
 
 
-def test_peers_table_on_a_tiny_target(tiny_model_dir, prompts_file, tmp_path):
+def run_peers(target: str, prompts_file: str, *extra: str) -> None:
+    """scripts/peers.py on 2 prompts x 8 tokens of the tiny target (it sets the thread count; restored after)."""
     threads = torch.get_num_threads()
     try:
-        load_script("peers").main(["--target", tiny_model_dir, "--data", "jsonl", "--data-path", prompts_file,
-                                   "--num-prompts", "2", "--max-new-tokens", "8", "--assistant-layers", "1",
-                                   "--scheduler", "fixed", "--out", str(tmp_path / "peers")])
+        load_script("peers").main(["--target", target, "--data", "jsonl", "--data-path", prompts_file, "--num-prompts",
+                                   "2", "--max-new-tokens", "8", "--assistant-layers", "1", *extra])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_peers_table_on_a_tiny_target(tiny_model_dir, prompts_file, tmp_path):
+    run_peers(tiny_model_dir, prompts_file, "--scheduler", "fixed", "--out", str(tmp_path / "peers"))
     summary = json.loads((tmp_path / "peers" / "peers.json").read_text())
     rows = summary["rows"]
     python_rows = ["hf_generate", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_assisted"]
@@ -47,3 +52,12 @@ def test_peers_table_on_a_tiny_target(tiny_model_dir, prompts_file, tmp_path):
         sys.argv = argv
     text = (tmp_path / "tables.md").read_text()
     assert "| ours_ngram |" in text and "| hf_generate |" in text
+
+
+def test_peers_methods_subset_compares_with_plain(tiny_model_dir, prompts_file, tmp_path):
+    run_peers(tiny_model_dir, prompts_file, "--methods", "ours_ngram", "--out", str(tmp_path / "sub"))
+    with pytest.raises(SystemExit, match="unknown"):
+        run_peers(tiny_model_dir, prompts_file, "--methods", "ours_nothing", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "sub" / "peers.json").read_text())["rows"]
+    assert {k for k in rows if not k.startswith("llama_cpp")} == {"ours_plain", "ours_ngram"}
+    assert rows["ours_ngram"]["equal_to_plain"] is True and rows["ours_ngram"]["equal_to_hf_generate"] is None

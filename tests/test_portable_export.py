@@ -66,3 +66,50 @@ def test_an_alias_is_exported_as_its_hub_id(tmp_path):
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert json.loads((export / "specdraft.json").read_text())["target"]["name_or_path"] == "smollm2-135m-instruct"
+
+
+def fake_alias(monkeypatch, tmp_path, source: str) -> str:
+    """An embedded alias whose "GGUF conversion" copies a saved tiny model (the real one needs the 100 MB GGUF)."""
+    from specdraft.io import target as target_module
+
+    gguf = tmp_path / "package" / "tiny.gguf"
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    gguf.write_bytes(b"stand-in")
+    monkeypatch.setitem(target_module.EMBEDDED_ALIASES, "tiny-alias", ("tiny_package", gguf.name))
+    monkeypatch.setattr(target_module, "_gguf_file", lambda alias: gguf)
+    monkeypatch.setattr(target_module, "_convert_gguf", lambda _, out_dir: shutil.copytree(source, out_dir))
+    return "tiny-alias"
+
+
+def test_an_export_resolves_its_alias_on_another_machine(tmp_path, monkeypatch):
+    """Machine A distils from the alias; the export moves to machine B, whose cache is elsewhere and empty:
+    loading resolves the recorded alias there (converting it into B's cache) and takes the same weights."""
+    from specdraft.models.export import recorded_target
+
+    alias = fake_alias(monkeypatch, tmp_path, save_tiny_model(tmp_path / "source"))
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache-a"))
+    export, drafter = export_for(load_target(alias, "float32").path, tmp_path / "machine-a" / "export", alias)
+    assert str(tmp_path / "cache-a") not in (export / "config.json").read_text()  # nothing machine-local recorded
+    moved = shutil.move(tmp_path / "machine-a" / "export", tmp_path / "machine-b-export")
+    shutil.rmtree(tmp_path / "cache-a")
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache-b"))
+    assert recorded_target(moved) == alias
+    target = load_target(recorded_target(moved), "float32")
+    assert target.path.startswith(str(tmp_path / "cache-b"))
+    loaded, _ = load_drafter(moved, target.model, alias)
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_set_verifier_rewrites_only_the_serving_field(tmp_path):
+    from specdraft.models.export import recorded_target, set_serving_verifier
+
+    folder = save_tiny_model(tmp_path / "t")
+    export, _ = export_for(folder, tmp_path / "export", "smollm2-135m-instruct")
+    elsewhere = save_tiny_model(tmp_path / "served-copy")
+    assert set_serving_verifier(export, elsewhere) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == elsewhere
+    assert recorded_target(export) == "smollm2-135m-instruct"  # what specdraft verifies with is unchanged
+    with pytest.raises(FileNotFoundError, match="not a drafter export"):
+        set_serving_verifier(tmp_path / "nothing", "x")

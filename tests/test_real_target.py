@@ -7,7 +7,7 @@ import torch
 
 from specdraft.decode.bench_setup import hf_generate
 from specdraft.io.target import eos_ids
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import NgramProposer, load_model_proposer
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.session import CausalSession
@@ -31,21 +31,24 @@ def test_greedy_equals_hf_generate_on_mtbench(smollm2):
         ids = chat_prompt_ids(smollm2.tokenizer, item["prompt"])
         expected = hf_generate(smollm2.model, ids, sampler, 40, stop, stop[0]).output_ids
         for name, proposer in drafters.items():
-            got = speculative_generate(session, ids, proposer, sampler, 40, 4, stop)
+            got = speculative_generate(session, ids, proposer, GenerateConfig(sampler, 40, 4, eos_token_ids=stop))
             assert got.output_ids == expected, f"{name} differs from HF generate on {item['id']}"
 
 
 def test_chat_template_and_coherent_answer(smollm2):
     ids = chat_prompt_ids(smollm2.tokenizer, "What is the capital of France?")
-    got = speculative_generate(CausalSession(smollm2.model), ids, NgramProposer(), Sampler(), 20, 4, eos_ids(smollm2))
+    config = GenerateConfig(Sampler(), 20, 4, eos_ids(smollm2))
+    got = speculative_generate(CausalSession(smollm2.model), ids, NgramProposer(), config)
     assert "Paris" in smollm2.tokenizer.decode(got.output_ids)
 
 
 def test_fast_backend_matches_hf_on_the_real_target(smollm2):
-    """Logits on real prompts (prefill and 1-16-token steps) as close to exact (a float64 forward) as the HF
-    model's own float32 forward is, and within 2e-4 of it (its own distance to float64 reaches 1e-4: both
-    are fp32 roundings of the same sums in other orders); greedy tokens equal to HF generate's with every
-    proposer, batch-1 and batched."""
+    """Logits on real prompts (prefill and 1-16-token steps) as close to exact (a float64 forward) as float32
+    allows: within the HF model's own float32 error plus 1e-5 of the logits' scale (about 170 float32 ulps of
+    the largest logit; a bf16 or tf32 kernel slipping in errs by 1e-2), and within 2e-4 of the HF forward (both
+    are fp32 roundings of the same sums in other orders; how far apart depends on the CPU's kernels: fast ÷ HF
+    error up to 2.5x on an AVX512-BF16 EPYC, 3.2x on an AVX512-FP16 Xeon); greedy tokens equal to HF generate's
+    with every proposer, batch-1 and batched."""
     import copy
 
     from specdraft.decode.backend import HFBackend
@@ -64,7 +67,7 @@ def test_fast_backend_matches_hf_on_the_real_target(smollm2):
             want, want_f = ref(tokens, caches[1], feature_layers=(4, 30))
             truth = exact(tokens, caches[2])[0].double()  # its float32 cast adds under 4e-6 at these magnitudes
             hf_error = float((want.double() - truth).abs().max())
-            assert float((got.double() - truth).abs().max()) <= 2.5 * hf_error + 1e-5
+            assert float((got.double() - truth).abs().max()) <= hf_error + 1e-5 * float(truth.abs().max())
             assert float((got - want).abs().max()) <= 2e-4
             torch.testing.assert_close(got_f, want_f, rtol=1e-5, atol=1e-4)
     session = CausalSession(fast)
@@ -72,7 +75,8 @@ def test_fast_backend_matches_hf_on_the_real_target(smollm2):
     for ids in prompts:
         expected = hf_generate(smollm2.model, ids, sampler, 32, stop, stop[0]).output_ids
         for name, proposer in drafters.items():
-            assert speculative_generate(session, ids, proposer, sampler, 32, 4, stop).output_ids == expected, name
+            got = speculative_generate(session, ids, proposer, GenerateConfig(sampler, 32, 4, stop)).output_ids
+            assert got == expected, name
     requests = [Request(ids, 32) for ids in prompts]
     for gen, ids in zip(batched_generate(fast, requests, NgramProposer(), sampler, 4, stop, max_concurrency=4), prompts):
         assert gen.output_ids == hf_generate(smollm2.model, ids, sampler, 32, stop, stop[0]).output_ids

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import Proposal
 from specdraft.decode.sampling import Sampler, sample
 from specdraft.decode.verifier import rejection_accept, residual_probs
@@ -165,9 +165,9 @@ def loop_samples(s: Sampler, n: int, num_draft: int, seed: int, accept_fn=None, 
     target, drafter = markov_tables()
     session, proposer = MarkovSession(target), proposer or MarkovDrafter(drafter)
     gen = torch.Generator().manual_seed(seed)
+    config = GenerateConfig(s, 3 + num_draft, num_draft, scheduler=scheduler)
     out = [
-        speculative_generate(session, [START], proposer, s, 3 + num_draft, num_draft, generator=gen, accept_fn=accept_fn,
-                             scheduler=scheduler).output_ids[:3]
+        speculative_generate(session, [START], proposer, config, generator=gen, accept_fn=accept_fn).output_ids[:3]
         for _ in range(n)
     ]
     return np.array(out)

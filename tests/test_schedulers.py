@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdraft.decode.batch_generate import LoadPolicy, Request, batched_generate
-from specdraft.decode.generate import speculative_generate
+from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.proposer import BlockDrafterProposer, Proposal
 from specdraft.decode.sampling import Sampler, sample
 from specdraft.decode.scheduler import (CostRule, FixedRule, ThresholdRule, can_pay, cut, expected_tokens, load_admits_any, load_pays,
@@ -79,8 +79,9 @@ def loop_samples(proposer, rule, n=3000, num_draft=2, seed=11):
     session = MarkovSession(markov_tables()[0])
     gen = torch.Generator().manual_seed(seed)
     s = Sampler(temperature=1.0)
-    return np.array([speculative_generate(session, [START], proposer, s, 3 + num_draft, num_draft, scheduler=rule,
-                                          generator=gen).output_ids[:3] for _ in range(n)])
+    config = GenerateConfig(s, 3 + num_draft, num_draft, scheduler=rule)
+    return np.array([speculative_generate(session, [START], proposer, config, generator=gen).output_ids[:3]
+                     for _ in range(n)])
 
 
 RULES = {
@@ -273,3 +274,55 @@ def test_cost_rule_runs_no_drafter_where_no_draft_can_pay():
     samples = loop_samples(CountingDrafter(markov_tables()[1]), CostRule(dear_profile(length=3), max_skip=0), n=1000)
     assert CountingDrafter.calls == 0
     assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
+
+
+def test_backoff_keeps_the_realized_record():
+    """Steps the rule verified (a promise) but that made fewer tokens than plain decoding in their time count
+    as failures; steps that pay bring the running mean back above zero; unpriced steps leave it alone."""
+    from specdraft.decode.backoff import Backoff
+
+    backoff, pattern = Backoff(max_skip=4), []
+    for _ in range(5):
+        skipped = 0
+        while backoff.should_skip():
+            skipped += 1
+        pattern.append(skipped)
+        backoff.observe(2)  # the rule verified two positions
+        backoff.settle(1, 1.5)  # neither survived: 1 token where plain decoding makes 1.5 in that time
+    assert pattern == [0, 1, 2, 4, 4] and backoff.net == pytest.approx(-0.5)
+    for _ in range(10):
+        while backoff.should_skip():
+            pass
+        backoff.observe(2)
+        backoff.settle(3, 1.5)
+    assert backoff.net > 0 and not backoff.should_skip()
+    backoff.settle(1, None)
+    assert not backoff.should_skip()
+
+
+class PromisingDrafter(ConfidentDrafter):
+    """Says every position survives (confidence 1) and drafts a token the target rarely samples, one-hot."""
+
+    calls = 0
+
+    def propose(self, context_ids, num_draft, sampler, generator, rule=None):
+        PromisingDrafter.calls += 1
+        target = markov_tables()[0]
+        tokens, prev = [], context_ids[-1]
+        for _ in range(num_draft):
+            prev = int(target[prev].argmin())
+            tokens.append(prev)
+        probs = torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float() if tokens else None
+        return Proposal(tokens, probs, torch.ones(len(tokens)) if tokens else None)
+
+
+def test_the_realized_record_backs_off_a_drafter_that_promises_and_sampling_stays_exact():
+    PromisingDrafter.calls = 0
+    rule = CostRule(synthetic_profile(length=3, per_token=0.001), max_skip=4)
+    session, gen = MarkovSession(markov_tables()[0]), torch.Generator().manual_seed(3)
+    config = GenerateConfig(Sampler(temperature=1.0), 8, 2, scheduler=rule)
+    runs = [speculative_generate(session, [START], PromisingDrafter(None), config, generator=gen) for _ in range(3000)]
+    samples = np.array([run.output_ids[:3] for run in runs])
+    assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
+    steps = sum(len(run.drafted) for run in runs)  # the promise alone would draft on nearly every one
+    assert PromisingDrafter.calls < 0.7 * steps

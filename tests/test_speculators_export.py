@@ -86,7 +86,7 @@ def test_same_logits_markov_bias_and_confidence_as_speculators(verifier):
 def test_checkpoint_written_by_speculators_decodes_losslessly_in_ours(verifier, tmp_path):
     from speculators.models.dspark import DSparkDraftModel
 
-    from specdraft.decode.generate import speculative_generate
+    from specdraft.decode.generate import GenerateConfig, speculative_generate
     from specdraft.decode.proposer import BlockDrafterProposer
     from specdraft.decode.sampling import Sampler
     from specdraft.decode.session import CausalSession
@@ -106,7 +106,7 @@ def test_checkpoint_written_by_speculators_decodes_losslessly_in_ours(verifier, 
     session = CausalSession(target.model, layers)
     for prompt in ([3, 1, 4, 1, 5], [8, 8, 8]):
         eos = [target.tokenizer.eos_token_id]
-        got = speculative_generate(session, prompt, proposer, Sampler(), 16, 4, eos)
+        got = speculative_generate(session, prompt, proposer, GenerateConfig(Sampler(), 16, 4, eos_token_ids=eos))
         assert got.output_ids == hf_greedy(target.model, prompt, 16, eos=eos)
 
 

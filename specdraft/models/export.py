@@ -43,6 +43,41 @@ def target_signature(target_model, name_or_path: str) -> dict:
             "fingerprint": target_fingerprint(target_model)}
 
 
+def recorded_target(path: str | Path) -> str:
+    """The target an export was distilled from, by the name its user gave (specdraft.json), else the verifier
+    its speculators config.json names (a checkpoint made elsewhere)."""
+    path = Path(path)
+    sidecar = path / SIDECAR
+    if sidecar.is_file():
+        return json.loads(sidecar.read_text())["target"]["name_or_path"]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    verifier = json.loads((path / "config.json").read_text()).get("speculators_config", {}).get("verifier", {})
+    if not verifier.get("name_or_path"):
+        raise ValueError(f"{path}/config.json names no verifier (speculators_config.verifier.name_or_path); "
+                         "name the target explicitly")
+    return verifier["name_or_path"]
+
+
+def set_serving_verifier(path: str | Path, name_or_path: str) -> str:
+    """Point the export's speculators config.json at the target a serving engine should verify with (a local
+    copy, another hub id); written atomically. specdraft's own loader reads specdraft.json, not this field.
+    Returns the previous value."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    config = json.loads(config_path.read_text())
+    verifier = config.get("speculators_config", {}).get("verifier")
+    if verifier is None:
+        raise ValueError(f"{config_path} is not a speculators config (no speculators_config.verifier): a standalone "
+                         "drafter is a plain HF model that names no verifier")
+    previous, verifier["name_or_path"] = verifier.get("name_or_path"), serving_name(name_or_path)
+    tmp = config_path.with_name("config.json.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(config_path)
+    return previous
+
+
 def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
     """Write the export atomically: speculators checkpoint + sidecar. verifier_path: the target's local folder
     (a standalone drafter copies its tokenizer from there)."""
@@ -86,7 +121,8 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
             f"({', '.join(f'{k}={expected[k]}' for k in SHAPE_KEYS)}, weights {describe(recorded)}) "
             f"but the target is {target_name!r} "
             f"({', '.join(f'{k}={actual[k]}' for k in SHAPE_KEYS)}, weights {describe(actual['fingerprint'])}); "
-            "decode with the target it was distilled from"
+            "decode with the target it was distilled from (target.name_or_path=NAME, or proposer.verifier=export to "
+            "take the one the export records, or proposer.verifier=PATH for a local copy of it)"
         )
     try:
         # the verifier's embeddings and head come from the target loaded here, wherever the export was made
