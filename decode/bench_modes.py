@@ -74,7 +74,10 @@ def run_sweep(bench) -> dict:
                       "speedup_vs_plain": timing["tokens_per_s"] / plain,
                       # after the first token: prefill (identical for every setting) left out
                       "decode_tokens_per_s": 1 / timing["tpot_s"] if timing["tpot_s"] else None,
-                      "decode_speedup_vs_plain": plain_tpot / timing["tpot_s"] if timing["tpot_s"] else None}
+                      "decode_speedup_vs_plain": plain_tpot / timing["tpot_s"] if timing["tpot_s"] else None,
+                      # T=0: every output equal to plain decoding's (which single mode holds equal to HF generate's)
+                      "equal_to_plain": all(g.output_ids == p.output_ids for g, p in zip(results[kind], results["plain"]))
+                      if sampler.greedy else None}
     fixed = {k: v for k, v in rows.items() if k.startswith("fixed_")}
     best_fixed = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
     summary = {"mode": "sweep", "plain_tokens_per_s": plain, "settings": rows, "best_fixed": best_fixed,

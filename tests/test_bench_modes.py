@@ -54,6 +54,7 @@ def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path
     # Two runs of every setting per prompt; the seeds repeat, so each repeat produced the same tokens.
     assert summary["repeats"] == 2 and summary["repeats_differ"] == 0
     assert set(summary["settings"]) == {"fixed_1", "fixed_2", "fixed_3", "threshold_0.5", "cost"}
+    assert all(row["equal_to_plain"] is True for row in summary["settings"].values())  # fp32 T=0: exact
     assert summary["best_fixed"] in summary["settings"] and summary["cost_vs_best_fixed"] > 0
     ceiling = summary["ceiling"]  # the oracle schedule on each fixed length's steps, priced by the profile
     assert set(ceiling["oracle_decode_tokens_per_s"]) == {"fixed_1", "fixed_2", "fixed_3"}
