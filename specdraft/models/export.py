@@ -43,6 +43,14 @@ def target_signature(target_model, name_or_path: str) -> dict:
             "fingerprint": target_fingerprint(target_model)}
 
 
+def export_config(path: str | Path) -> Path:
+    """The export's config.json, or a clear error where `path` is not an export folder."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    return config
+
+
 def recorded_target(path: str | Path) -> str:
     """The target an export was distilled from, by the name its user gave (specdraft.json), else the verifier
     its speculators config.json names (a checkpoint made elsewhere)."""
@@ -50,8 +58,7 @@ def recorded_target(path: str | Path) -> str:
     sidecar = path / SIDECAR
     if sidecar.is_file():
         return json.loads(sidecar.read_text())["target"]["name_or_path"]
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    export_config(path)
     verifier = json.loads((path / "config.json").read_text()).get("speculators_config", {}).get("verifier", {})
     if not verifier.get("name_or_path"):
         raise ValueError(f"{path}/config.json names no verifier (speculators_config.verifier.name_or_path); "
@@ -63,9 +70,7 @@ def set_serving_verifier(path: str | Path, name_or_path: str) -> str:
     """Point the export's speculators config.json at the target a serving engine should verify with (a local
     copy, another hub id); written atomically. specdraft's own loader reads specdraft.json, not this field.
     Returns the previous value."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    config_path = export_config(path)
     config = json.loads(config_path.read_text())
     verifier = config.get("speculators_config", {}).get("verifier")
     if verifier is None:
@@ -104,8 +109,7 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_l
 def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[BlockDrafter | Eagle3Drafter, tuple[int, ...]]:
     """A drafter export for this target (refused, naming both, if it was made for another)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+    export_config(path)
     sidecar = path / SIDECAR
     expected = json.loads(sidecar.read_text())["target"] if sidecar.is_file() else None
     actual = target_signature(target_model, target_name)
