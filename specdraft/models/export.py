@@ -58,8 +58,7 @@ def recorded_target(path: str | Path) -> str:
     sidecar = path / SIDECAR
     if sidecar.is_file():
         return json.loads(sidecar.read_text())["target"]["name_or_path"]
-    export_config(path)
-    verifier = json.loads((path / "config.json").read_text()).get("speculators_config", {}).get("verifier", {})
+    verifier = json.loads(export_config(path).read_text()).get("speculators_config", {}).get("verifier", {})
     if not verifier.get("name_or_path"):
         raise ValueError(f"{path}/config.json names no verifier (speculators_config.verifier.name_or_path); "
                          "name the target explicitly")
