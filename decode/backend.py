@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specdraft.decode.fast_target import FastTarget, Unsupported, onednn_ok, unsupported_reason
+from specdraft.decode.fast_target import FastTarget, Unsupported, unsupported_reason
+from specdraft.decode.linear_kernels import KERNEL_CHOICES, candidates
 
 BACKEND_NAMES = ("auto", "fast", "hf")
 
@@ -30,7 +31,7 @@ class HFBackend:
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
 
     def describe(self) -> dict:
-        return {"name": self.name, "kernel": "transformers", "pack_rows": None}
+        return {"name": self.name, "kernel": "transformers", "kernels": None}
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
@@ -61,17 +62,20 @@ def fast_unavailable(model: torch.nn.Module) -> str | None:
         return reason
     if model.device.type != "cpu":
         return f"the fast backend's kernels are CPU kernels; on {model.device.type} the HF model runs"
-    if not onednn_ok(model.dtype, model.device):
+    if candidates(model.dtype, model.device) == ["torch"]:
         if model.dtype == torch.float32:
-            return "this PyTorch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+            return "this PyTorch build has neither oneDNN nor MKL (torch.backends.mkldnn / mkl .is_available())"
         return f"{str(model.dtype).replace('torch.', '')} has no native oneDNN kernels on this CPU"
     return None
 
 
-def build_backend(model: torch.nn.Module, name: str = "auto", log=print):
-    """The backend `name` (auto | fast | hf) for a loaded HF causal LM; `log` gets auto's fallback line."""
+def build_backend(model: torch.nn.Module, name: str = "auto", log=print, kernel: str = "auto"):
+    """The backend `name` (auto | fast | hf) for a loaded HF causal LM; `log` gets auto's fallback line and
+    the fast backend's kernel choice. kernel: `target.kernel` (decode/linear_kernels.py)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"target.backend={name!r}; choose one of {list(BACKEND_NAMES)}")
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"target.kernel={kernel!r}; choose one of {list(KERNEL_CHOICES)}")
     if name == "hf":
         return HFBackend(model)
     if name == "fast":
@@ -79,9 +83,19 @@ def build_backend(model: torch.nn.Module, name: str = "auto", log=print):
         if reason:
             raise Unsupported(f"target.backend=fast cannot run this target: {reason}. "
                               "Use target.backend=hf (or auto, which falls back by itself).")
-        return FastTarget(model)
+        return _fast(model, kernel)
     reason = fast_unavailable(model)
     if reason:
         log(f"target.backend=auto: running the HF reference backend, because {reason}")
         return HFBackend(model)
-    return FastTarget(model)
+    return _fast(model, kernel)
+
+
+def _fast(model: torch.nn.Module, kernel: str) -> FastTarget:
+    backend = FastTarget(model, kernel)
+    plan = backend.plan  # results.json records it (describe()); said once, when it was just measured
+    if plan.source == "measured":
+        one = {name: round(ms["1"], 2) for name, ms in plan.measured_ms.items()}
+        print(f"fast backend kernels: {plan.label}, measured on this machine (a one-row step's linear layers, ms: "
+              f"{one}); cached in {plan.cache_file}; target.kernel=NAME fixes one")
+    return backend

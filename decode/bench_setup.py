@@ -25,7 +25,8 @@ from specdraft.models.export import recorded_target
 
 def build_proposer(cfg: BenchConfig, target):
     """The configured proposer (decode/factory.py), the name of the matching HF baseline and its `generate` kwargs."""
-    proposer, model = make_proposer(cfg.proposer, target, cfg.target.name_or_path, cfg.target.backend)
+    proposer, model = make_proposer(cfg.proposer, target, cfg.target.name_or_path, cfg.target.backend,
+                                    cfg.target.kernel)
     if cfg.proposer.name == "ngram":
         # HF's lookup takes the leftmost match and has no minimum size; ours takes the most recent one.
         return proposer, "hf_prompt_lookup", {"prompt_lookup_num_tokens": cfg.decode.num_draft,
@@ -129,7 +130,7 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     if not prompts:
         raise ValueError(f"no prompts: data={cfg.data.name} from index {cfg.bench.first_prompt} is empty")
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads, cfg.target.device)
-    backend = build_backend(target.model, cfg.target.backend)
+    backend = build_backend(target.model, cfg.target.backend, kernel=cfg.target.kernel)
     proposer, baseline_name, baseline_kwargs = build_proposer(cfg, target)
     calibration = (None if cfg.bench.mode == "calibrate"  # calibration fits the raw confidences
                    else attach_calibration(proposer, cfg.proposer.path, cfg.bench.calibration))

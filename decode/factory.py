@@ -24,9 +24,10 @@ def drafter_proposer(drafter, feature_layers):
     return proposer(drafter, feature_layers)
 
 
-def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = "auto"):
+def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = "auto", kernel: str = "auto"):
     """The configured proposer; for name=model also the standalone HF model it drafts with (else None).
-    name=none is plain decoding (no drafting)."""
+    name=none is plain decoding (no drafting). backend/kernel: target.backend and target.kernel, which a
+    trained drafter's fast twin follows."""
     name = cfg.name
     lookup = lambda: NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats)  # noqa: E731
     if name == "none":
@@ -39,7 +40,7 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
         if not cfg.path:
             raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.path, target.model, target_name)
-        proposer = drafter_proposer(drafter_for_backend(drafter, backend), feature_layers)  # the target's kernels
+        proposer = drafter_proposer(drafter_for_backend(drafter, backend, kernel=kernel), feature_layers)  # the target's kernels
         # hybrid: prompt lookup where it matches, the drafter elsewhere
         return (HybridProposer(lookup(), proposer) if name == "hybrid" else proposer), None
     raise ValueError(f"unknown proposer {name!r}; choose one of {[*PROPOSERS, 'none']}")

@@ -1,4 +1,5 @@
-"""The drafter's fast twin: the same module with every Linear layer run on oneDNN with reordered weights.
+"""The drafter's fast twin: the same module with every Linear layer run on the kernel this machine computes
+fastest (decode/linear_kernels.py: oneDNN with reordered weights or MKL over a pre-transposed weight).
 
 A drafter's step is a handful of small matmuls (its fusion projection, one or two layers over a 7-slot
 block, then per drafted position the LM head over the draft vocabulary and the Markov projection). MKL's
@@ -17,20 +18,20 @@ import itertools
 import torch
 from torch import nn
 
-from specdraft.decode.fast_target import PackedLinear, onednn_ok
+from specdraft.decode.linear_kernels import KernelPlan, PackedLinear, candidates, plan_for
 
 
 class PackedLinearModule(nn.Module):
-    """An nn.Linear's function on (..., in) inputs with its weight reordered once for oneDNN."""
+    """An nn.Linear's function on (..., in) inputs through the plan's kernels, its weight packed once."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, plan: KernelPlan):
         super().__init__()
         weight = linear.weight
         if hasattr(linear, "folded_weight"):  # ScaledLinear: the input scale folded in (same function)
             weight = linear.folded_weight()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared: code that reads .weight (shapes, dtype) still finds it
-        self.packed = PackedLinear(weight, linear.bias, onednn=True)
+        self.packed = PackedLinear(weight, linear.bias, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (..., in) -> (..., out)
@@ -40,31 +41,43 @@ class PackedLinearModule(nn.Module):
 def fast_drafter_unavailable(drafter: nn.Module) -> str | None:
     """Why the fast twin would not run for this drafter, or None."""
     parameter = next(drafter.parameters())
-    if not onednn_ok(parameter.dtype, parameter.device):
-        return f"no oneDNN kernels for {str(parameter.dtype).replace('torch.', '')} on {parameter.device.type} here"
+    if candidates(parameter.dtype, parameter.device) == ["torch"]:
+        return f"no oneDNN or MKL kernels for {str(parameter.dtype).replace('torch.', '')} on {parameter.device.type} here"
     return None
 
 
+def _linear_shapes(drafter: nn.Module) -> dict[tuple[int, int], int]:
+    shapes: dict[tuple[int, int], int] = {}
+    for module in drafter.modules():
+        if isinstance(module, nn.Linear):
+            shapes[(module.out_features, module.in_features)] = shapes.get((module.out_features, module.in_features), 0) + 1
+    return shapes
+
+
 @torch.no_grad()
-def fast_drafter(drafter: nn.Module) -> nn.Module:
-    """The twin: a copy of the module tree sharing every tensor, with its Linear layers packed."""
+def fast_drafter(drafter: nn.Module, kernel: str = "auto") -> nn.Module:
+    """The twin: a copy of the module tree sharing every tensor, with its Linear layers packed for the
+    kernels `kernel` names (auto: measured on the drafter's own shapes)."""
+    parameter = next(drafter.parameters())
+    plan = plan_for(kernel, _linear_shapes(drafter), parameter.dtype, parameter.device)
     shared = {id(tensor): tensor for tensor in itertools.chain(drafter.parameters(), drafter.buffers())}
     twin = copy.deepcopy(drafter, shared)
+    twin.kernel_plan = plan
     for parent in list(twin.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinearModule(child))
+                setattr(parent, name, PackedLinearModule(child, plan))
     return twin.eval()
 
 
-def drafter_for_backend(drafter: nn.Module, name: str = "auto", log=print) -> nn.Module:
+def drafter_for_backend(drafter: nn.Module, name: str = "auto", log=print, kernel: str = "auto") -> nn.Module:
     """The drafter as target.backend asks: hf keeps the reference module; auto and fast take the twin where
     oneDNN runs it (auto says why not where it does not; fast, asked explicitly, fails with the reason)."""
     if name == "hf":
         return drafter
     reason = fast_drafter_unavailable(drafter)
     if reason is None:
-        return fast_drafter(drafter)
+        return fast_drafter(drafter, kernel)
     if name == "fast":
         raise ValueError(f"target.backend=fast cannot run the drafter's fast twin: {reason}. Use target.backend=hf or auto.")
     log(f"target.backend=auto: the drafter runs its reference modules, because {reason}")

@@ -2,10 +2,10 @@
 decode engine's shapes (1-16 new tokens over a KV cache) near this machine's limit.
 
 Why it is faster than calling the HF model (measured on 2-core EPYCs, fp32, docs/results/):
-- Linear layers run on oneDNN with weights reordered once into its blocked layout
-  (`torch.ops.mkldnn._reorder_linear_weight`). MKL's sgemm through `F.linear` picks poor kernels at 2-16
-  rows and its GEMV streams weights at about a third of the memory bandwidth; the reordered weights run
-  every row count from 1 to 16 close to the time it takes to read them.
+- Linear layers run on the kernel this machine computes fastest at the engine's row counts, chosen by
+  measurement once per machine (decode/linear_kernels.py): oneDNN with weights reordered once into its
+  blocked layout, or MKL's sgemm over a pre-transposed weight. MKL through `F.linear` (what the HF model
+  calls) picks poor kernels at 2-16 rows on every CPU measured.
 - QKV and gate/up are one matmul each (their weights concatenated), so each layer reads its input once
   and launches 4 GEMMs instead of 7.
 - The KV cache is preallocated per layer and written in place (DynamicCache concatenates every step, which
@@ -21,18 +21,16 @@ the same greedy tokens) on tiny random Llama/Qwen models and on the embedded tar
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
+from specdraft.decode.linear_kernels import ROWS, KernelPlan, PackedLinear, plan_for
+
 # Architectures whose decoder layer is exactly: RMSNorm -> attention (q/k/v/o, RoPE, optional per-head q/k
 # RMSNorm, optional biases) -> residual -> RMSNorm -> SiLU-gated MLP -> residual, with a final RMSNorm.
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# oneDNN packs weights for a row count; measured across 1-16 rows, one layout packed for 4 rows runs them all
-# within noise of the best per-count layout (docs/results/), so one copy of the weights serves every step.
-PACK_ROWS = 4
-
-
 class Unsupported(ValueError):
     """The fast backend cannot run this model or dtype exactly; the message says why."""
 
@@ -65,38 +63,7 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def onednn_ok(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN's reordered-weight linear runs here for `dtype` (CPU; bf16 only where it is native)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return False
-    return False
-
-
-class PackedLinear:
-    """y = x @ W.T + b with W reordered once for oneDNN (CPU), or plain F.linear where oneDNN does not run."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool):
-        self.out_features = weight.shape[0]
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.onednn = onednn
-        weight = weight.detach().contiguous()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if onednn else weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x (N, K) -> (N, out)
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _fused(linears: list[torch.nn.Linear], onednn: bool) -> PackedLinear:
+def _fused(linears: list[torch.nn.Linear], plan: KernelPlan) -> PackedLinear:
     """One PackedLinear computing several Linear layers on the same input, outputs concatenated."""
     weight = torch.cat([linear.weight for linear in linears], dim=0)
     biases = [linear.bias for linear in linears]
@@ -105,7 +72,7 @@ def _fused(linears: list[torch.nn.Linear], onednn: bool) -> PackedLinear:
     else:
         bias = torch.cat([b if b is not None else linear.weight.new_zeros(linear.out_features)
                           for b, linear in zip(biases, linears)])
-    return PackedLinear(weight, bias, onednn)
+    return PackedLinear(weight, bias, plan)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,14 +92,14 @@ def _norm_eps(norm: torch.nn.Module) -> float:
 class _Layer:
     """One decoder layer's weights, in the fast backend's form."""
 
-    def __init__(self, layer, onednn: bool):
+    def __init__(self, layer, plan: KernelPlan):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = (layer.input_layernorm.weight.detach(), _norm_eps(layer.input_layernorm))
         self.post_norm = (layer.post_attention_layernorm.weight.detach(), _norm_eps(layer.post_attention_layernorm))
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], onednn)
-        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, onednn)
-        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], onednn)
-        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, onednn)
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], plan)
+        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, plan)
+        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], plan)
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, plan)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.intermediate = mlp.gate_proj.out_features
         # Qwen3 normalizes each head's q and k before RoPE.
@@ -217,23 +184,73 @@ class FastCache:
             layer.length = min(layer.length, max(keep, 0))
 
 
+def linear_shapes(model) -> dict[tuple[int, int], int]:
+    """(out, in) -> count of the matmuls of one forward as the fast backend runs them (QKV and gate/up fused)."""
+    shapes: dict[tuple[int, int], int] = {}
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = attn.q_proj.in_features
+        for shape in ((attn.q_proj.out_features + 2 * attn.k_proj.out_features, hidden),
+                      (attn.o_proj.out_features, attn.o_proj.in_features),
+                      (2 * mlp.gate_proj.out_features, hidden), (mlp.down_proj.out_features, mlp.down_proj.in_features)):
+            shapes[shape] = shapes.get(shape, 0) + 1
+    head = model.get_output_embeddings().weight.shape
+    shapes[tuple(head)] = shapes.get(tuple(head), 0) + 1
+    return shapes
+
+
+FORWARD_TIMING_MAX_BYTES = 2 << 30
+
+
+def time_forwards(model, names: list[str], rows=ROWS, context: int = 128, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """ms of the fast forward of k new tokens after `context` cached ones, for each kernel fixed in turn
+    (one twin at a time, so the extra memory is one copy of the weights)."""
+    window = getattr(model.config, "max_position_embeddings", None) or context + max(rows)
+    context = max(1, min(context, window - max(rows)))
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=generator, device=model.device)
+    feeds = {m: torch.randint(0, vocab, (1, m), generator=generator, device=model.device) for m in rows}
+    measured = {}
+    for name in names:
+        fast = FastTarget(model, name)
+        cache = fast.new_cache()
+        fast(prompt, cache, logits_to_keep=1)
+        best = dict.fromkeys(rows, float("inf"))
+        for _ in range(repeats):
+            for m in rows:  # rounds across the row counts, so drift hits each alike
+                cache.crop(context)
+                start = time.perf_counter()
+                fast(feeds[m], cache, logits_to_keep=m)
+                best[m] = min(best[m], time.perf_counter() - start)
+        measured[name] = {str(m): 1000 * best[m] for m in rows}
+        del fast, cache
+    return measured
+
+
 class FastTarget:
     """The target's forward for the decode engine, built once from a loaded HF causal LM."""
 
     name = "fast"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kernel: "str | KernelPlan" = "auto"):
+        """kernel: `target.kernel` — auto (measured on this machine, decode/linear_kernels.py), a kernel name,
+        or a KernelPlan."""
         reason = unsupported_reason(model)
         if reason:
             raise Unsupported(reason)
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         base = model.model
-        onednn = onednn_ok(model.dtype, model.device)
-        self.kernel = "onednn" if onednn else "torch"
+        head = model.get_output_embeddings()
+        shapes = linear_shapes(model)
+        # auto on a model whose weights fit twice over: each kernel timed on this very forward (the linears'
+        # cost depends on what else streams through the caches); on larger ones, on stand-in weights.
+        small = sum(o * i * c for (o, i), c in shapes.items()) * model.dtype.itemsize <= FORWARD_TIMING_MAX_BYTES
+        self.plan = plan_for(kernel, shapes, model.dtype, model.device,
+                             timer=(lambda names: time_forwards(model, names)) if small else None)
         with torch.no_grad():
-            self.layers = [_Layer(layer, onednn) for layer in base.layers]
-            head = model.get_output_embeddings()
-            self.head = PackedLinear(head.weight, getattr(head, "bias", None), onednn)
+            self.layers = [_Layer(layer, self.plan) for layer in base.layers]
+            self.head = PackedLinear(head.weight, getattr(head, "bias", None), self.plan)
         self.embed = model.get_input_embeddings()
         self.norm = (base.norm.weight.detach(), _norm_eps(base.norm))
         self.rotary = base.rotary_emb
@@ -246,7 +263,7 @@ class FastTarget:
 
     def describe(self) -> dict:
         """What results.json records of the backend."""
-        return {"name": self.name, "kernel": self.kernel, "pack_rows": PACK_ROWS if self.kernel == "onednn" else None}
+        return {"name": self.name, "kernel": self.plan.label, "kernels": self.plan.describe()}
 
     def new_cache(self) -> FastCache:
         return FastCache(len(self.layers))

@@ -124,7 +124,8 @@ def profile_fingerprint(target_name: str, target_model, drafter_path: str | None
         "target_config": hashlib.sha256(target_model.config.to_json_string().encode()).hexdigest()[:16],
         "attention": getattr(target_model.config, "_attn_implementation", None),
         # The backend decides the verify curve (the fast one's is several times flatter): one profile each.
-        "backend": as_backend(target_model).describe(),
+        # Only the name and the kernels chosen: not how the choice was made or what it measured.
+        "backend": {key: as_backend(target_model).describe()[key] for key in ("name", "kernel")},
         "drafter": drafter,
         "block_size": block_size,
         "batch_sizes": list(batch_sizes),

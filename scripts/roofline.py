@@ -6,8 +6,10 @@
 Measures, with torch's thread setting:
 - streaming bandwidth: the fastest of several sums over a 400 MB tensor (a read-only stream, like the weights);
 - GEMM throughput at the target's own shapes (fused QKV, o, fused gate/up, down, LM head) for 1-16 rows in each
-  dtype, through MKL (`F.linear`) and through oneDNN with reordered weights, and a peak from a large GEMM;
-- each target backend's forward (hf, fast) over 1-16 new tokens after a context of 64 / 300 / 1024 tokens.
+  dtype, through every linear kernel the fast backend can pick here (decode/linear_kernels.py; `torch` is
+  `F.linear`, what the HF model runs), and a peak from a large GEMM;
+- each target backend's forward over 1-16 new tokens after a context of 64 / 300 / 1024 tokens: hf, fast (its
+  kernels as target.kernel=auto picks them on this machine) and fast with each kernel fixed (fast-NAME).
 The floor of a k-token step is max(bytes / bandwidth, flops / peak): every weight is read once (the LM head
 included, the embedding only for k rows) plus the KV cache, and the flops are 2·params·k plus attention's.
 Writes OUT/roofline.json and OUT/roofline.png and prints the curves side by side.
@@ -26,6 +28,8 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from specdraft.decode.linear_kernels import KERNELS, candidates  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -61,10 +65,10 @@ def gemm_table(shapes: dict, dtype: torch.dtype, rows: list[int], repeats: int) 
     table = {}
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features).to(dtype)
-        kernels = {"mkl": lambda x, w=weight: F.linear(x, w)}
-        if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
-            kernels["onednn"] = lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        kernels = {}
+        for name in (*candidates(dtype, torch.device("cpu")), "torch"):  # torch = F.linear, what HF runs
+            kernel = KERNELS[name]
+            kernels[name] = lambda x, k=kernel, p=kernel.pack(weight): k.run(x, p, None)
         for kernel, fn in kernels.items():
             for m in rows:
                 x = torch.randn(m, in_features).to(dtype)
@@ -144,9 +148,14 @@ def measure(args) -> dict:
                  "floor_ms": {str(c): {str(k): floor_ms(config, dtype, c, k, result["bandwidth_gbs"], peak)
                                        for k in args.tokens} for c in args.contexts},
                  "backends": {}, "fast_unavailable": fast_unavailable(target.model)}
-        for backend_name in ("hf", "fast"):
-            backend = build_backend(target.model, backend_name)
-            entry["backends"][backend_name] = backend_curve(backend, args.contexts, args.tokens, args.repeats)
+        variants = [("hf", "hf", "auto"), ("fast", "fast", "auto")]
+        if entry["fast_unavailable"] is None:
+            variants += [(f"fast-{k}", "fast", k) for k in candidates(dtype, target.model.device)]
+        for label, backend_name, kernel in variants:
+            backend = build_backend(target.model, backend_name, kernel=kernel)
+            entry["backends"][label] = backend_curve(backend, args.contexts, args.tokens, args.repeats)
+            if label == "fast":
+                entry["fast_kernels"] = backend.describe()["kernels"]
             del backend
         result["dtypes"][name] = entry
         print_dtype(name, entry, args)

@@ -74,12 +74,12 @@ class DistillConfig:
     run_dir: str = "${hydra:runtime.output_dir}"
 
 
-def engine_generator(target, backend_name: str, concurrency: int):
+def engine_generator(target, backend_name: str, concurrency: int, kernel: str = "auto"):
     """Regeneration's generator: the decode engine's continuous batching on the configured target backend
     (auto: the fast one where it runs), or None (HF generate) for target.backend=hf."""
     if backend_name == "hf":
         return None
-    backend = build_backend(target.model, backend_name)
+    backend = build_backend(target.model, backend_name, kernel=kernel)
     return lambda prompts, max_new, temperature, eos, seed: generate_plain(backend, prompts, max_new, temperature, eos,
                                                                          seed, concurrency)
 
@@ -93,7 +93,7 @@ def validate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict:
     def bench(dtype: str, name: str) -> dict:
         bench_cfg = BenchConfig(
             target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads, cfg.target.device,
-                                backend=cfg.target.backend),
+                                backend=cfg.target.backend, kernel=cfg.target.kernel),
             proposer=ProposerConfig(name=kind(cfg.drafter.mode).proposer, path=str(export)),
             data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
             decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
@@ -197,7 +197,8 @@ def distill(cfg: DistillConfig) -> dict | None:
     device = str(accelerator.device) if cfg.target.device == "auto" else cfg.target.device
     target = load_target(cfg.target.name_or_path, "float32", cfg.target.threads, device)
     # built only by the process that regenerates, when it does (the fast twin holds a copy of the weights)
-    make_generate = lambda: engine_generator(target, cfg.target.backend, cfg.data.regen_batch_size)  # noqa: E731
+    make_generate = lambda: engine_generator(target, cfg.target.backend,  # noqa: E731
+                                             cfg.data.regen_batch_size, cfg.target.kernel)
     examples = prepare_examples(cfg, target, run_dir, accelerator, make_generate)
     stage_seconds["data"] = time.perf_counter() - began
     if len(examples) <= cfg.data.num_eval:

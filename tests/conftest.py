@@ -12,13 +12,14 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _profile_cache(tmp_path_factory, monkeypatch):
-    """Cost profiles measured by tests go to a temporary folder, never to the user's cache (the environment
-    variable reaches the entry points that tests start as subprocesses)."""
+    """Cost profiles and kernel choices measured by tests go to a temporary folder, never to the user's cache
+    (the environment variables reach the entry points that tests start as subprocesses)."""
     from specdraft.decode import profile
 
     folder = tmp_path_factory.getbasetemp() / "profiles"
     monkeypatch.setattr(profile, "CACHE_DIR", folder)
     monkeypatch.setenv("SPECDRAFT_PROFILE_DIR", str(folder))
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))
 
 
 @pytest.fixture(scope="session")

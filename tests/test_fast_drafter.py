@@ -1,4 +1,4 @@
-"""The drafter's fast twin (oneDNN-packed Linear layers) shares the drafter's tensors and drafts what the
+"""The drafter's fast twin (Linear layers packed for the chosen kernels) shares the drafter's tensors and drafts what the
 reference modules draft: same tokens, q and confidences within fp32 rounding, batch-1 and batched."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from specdraft.decode.batch_draft import propose_blocks
 from specdraft.decode.fast_drafter import PackedLinearModule, drafter_for_backend, fast_drafter
 from specdraft.decode.generate import GenerateConfig, speculative_generate
+from specdraft.decode.linear_kernels import candidates
 from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.session import CausalSession
@@ -78,3 +79,15 @@ def test_backend_setting_picks_the_twin_or_the_reference():
     assert drafter_for_backend(half, "auto", log=lines.append) is half and "float16" in lines[0]
     with pytest.raises(ValueError, match="target.backend=fast cannot run the drafter"):
         drafter_for_backend(half, "fast")
+
+
+@pytest.mark.parametrize("kernel", [*candidates(torch.float32, torch.device("cpu")), "torch"])
+def test_every_kernel_drafts_what_the_reference_drafts(kernel):
+    target, drafter = make_drafter("dspark")
+    proposals = []
+    for module in (drafter, fast_drafter(drafter, kernel)):
+        proposer = start(target, BlockDrafterProposer(module, (1, 2)), PROMPT)
+        proposals.append(proposer.propose(PROMPT, 4, Sampler(temperature=1.0), torch.Generator().manual_seed(1)))
+    assert proposals[1].tokens == proposals[0].tokens
+    torch.testing.assert_close(proposals[1].draft_probs, proposals[0].draft_probs, atol=1e-5, rtol=1e-5)
+    assert fast_drafter(drafter, kernel).kernel_plan.one_row == kernel

@@ -14,6 +14,7 @@ from specdraft.decode.batch_generate import LoadPolicy
 from specdraft.decode.batch_session import BatchedSession
 from specdraft.decode.fast_target import FastTarget, Unsupported
 from specdraft.decode.generate import GenerateConfig, speculative_generate
+from specdraft.decode.linear_kernels import KernelPlan, candidates
 from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, ModelProposer, NgramProposer,
                              NoProposer, gives_confidence)
 from specdraft.decode.sampling import Sampler
@@ -60,10 +61,22 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
 MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
 
 
+# Every kernel this machine runs, one layout for all row counts, and a plan that switches at two rows.
+KERNEL_CASES = [*candidates(torch.float32, torch.device("cpu")), "torch", "split"]
+
+
+def fast_target(model, kernel: str) -> FastTarget:
+    if kernel == "split":
+        names = candidates(torch.float32, torch.device("cpu"))
+        return FastTarget(model, KernelPlan(names[-1], "torch", "config"))
+    return FastTarget(model, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNEL_CASES)
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_logits_and_features_match_the_hf_model(kind):
+def test_logits_and_features_match_the_hf_model(kind, kernel):
     model = MODELS[kind](0)
-    fast, ref = FastTarget(model), HFBackend(model)
+    fast, ref = fast_target(model, kernel), HFBackend(model)
     layers = (0, 1, 2)  # embeddings, a middle layer's output, and the final-normed last index
     fast_cache, ref_cache = fast.new_cache(), ref.new_cache()
     torch.manual_seed(5)
@@ -233,3 +246,25 @@ def test_bf16_forward_rounds_like_the_hf_model():
     # bound is loose (the fused-norm version missed it by 0.023 and moved an argmax).
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(got, want, atol=0.01, rtol=0)
+
+
+def test_a_plan_runs_its_one_row_kernel_for_one_row_and_the_other_for_more():
+    names = candidates(torch.float32, torch.device("cpu"))
+    fast = FastTarget(tiny_llama(0), KernelPlan(names[0], "torch", "config"))
+    calls = []
+    layer = fast.layers[0].o
+    layer.one = (lambda x, p, b, run=layer.one[0]: calls.append("one") or run(x, p, b), layer.one[1])
+    layer.multi = (lambda x, p, b, run=layer.multi[0]: calls.append("multi") or run(x, p, b), layer.multi[1])
+    cache = fast.new_cache()
+    fast(torch.tensor([[1, 2, 3]]), cache)
+    fast(torch.tensor([[4]]), cache)
+    assert calls == ["multi", "one"]
+    assert fast.describe()["kernel"] == f"{names[0]} (1 row) + torch (2+ rows)"
+
+
+def test_target_kernel_names_are_checked_and_a_kernel_that_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="target.kernel='fastest'.*choose one of"):
+        build_backend(tiny_llama(0), "auto", kernel="fastest")
+    with pytest.raises(ValueError, match="target.kernel=mkl cannot run here: .*float32 only.*target.kernel=auto"):
+        FastTarget(tiny_llama(0).to(torch.bfloat16), "mkl")
+    assert FastTarget(tiny_llama(0), "torch").describe()["kernel"] == "torch"

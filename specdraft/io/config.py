@@ -19,3 +19,6 @@ class TargetConfig:
     # with a line saying why), fast (the twin laid out for this machine's kernels; fails where it cannot run)
     # or hf (transformers' model, the reference)
     backend: str = "auto"
+    # The fast backend's linear-layer kernels (decode/linear_kernels.py): auto (each candidate timed on the
+    # model's shapes once per machine, the decision cached) or one of onednn4, onednn16, mkl, torch
+    kernel: str = "auto"

@@ -1,0 +1,98 @@
+"""The kernel choice of the fast twins: each kernel computes x @ W.T + b, the choice follows the
+measurements (two layouts only when both pay and fit), and the measurement is cached per machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.decode import linear_kernels
+from specdraft.decode.linear_kernels import KERNELS, PackedLinear, auto_plan, candidates, choose, fixed_plan, measure
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("name", [*candidates(torch.float32, torch.device("cpu")), "torch"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_kernel_computes_the_linear_layer(name, bias):
+    torch.manual_seed(0)
+    weight, b = torch.randn(48, 20), (torch.randn(48) if bias else None)
+    linear = PackedLinear(weight, b, fixed_plan(name, torch.float32, torch.device("cpu")))
+    for rows in (1, 2, 5, 17):
+        x = torch.randn(rows, 20)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def table(**rows):
+    """kernel -> {rows: ms} from kernel=(ms at 1, 2, 4, 8 rows)."""
+    return {name: dict(zip(("1", "2", "4", "8"), ms)) for name, ms in rows.items()}
+
+
+def test_one_kernel_wins_both_or_the_split_pays_and_fits():
+    # The same kernel fastest everywhere: one layout.
+    assert choose(table(onednn4=(10, 11, 12, 13), mkl=(12, 14, 16, 18)), GiB, 16 * GiB) == ("onednn4", "onednn4")
+    # mkl far faster for one row, oneDNN for several: two layouts, when the copy fits a quarter of memory.
+    split = table(onednn4=(20, 21, 22, 23), mkl=(14, 28, 32, 40))
+    assert choose(split, GiB, 16 * GiB) == ("mkl", "onednn4")
+    assert choose(split, GiB, 2 * GiB) == ("onednn4", "onednn4")  # no room: the best single kernel overall
+    # A split that saves under 5% where it is used is not worth a second copy of the weights.
+    assert choose(table(onednn4=(20, 21, 22, 23), mkl=(19.5, 28, 32, 40)), GiB, 16 * GiB) == ("onednn4", "onednn4")
+    # Ties go to the registry's first candidate.
+    assert choose(table(onednn4=(10, 10, 10, 10), mkl=(10, 10, 10, 10)), GiB, 16 * GiB) == ("onednn4", "onednn4")
+
+
+def test_measure_scales_a_sample_back_to_the_models_counts():
+    names = candidates(torch.float32, torch.device("cpu"))
+    got = measure({(32, 16): 40, (64, 16): 1}, torch.float32, names, rows=(1, 4), repeats=2, cold_bytes=1 << 14)
+    assert set(got) == set(names) and all(set(ms) == {"1", "4"} and min(ms.values()) > 0 for ms in got.values())
+
+
+def test_the_decision_is_cached_and_a_damaged_entry_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(tmp_path))
+    device = torch.device("cpu")
+    if len(candidates(torch.float32, device)) < 2:
+        pytest.skip("one kernel runs here: nothing to choose or cache")
+    runs = []
+    real = linear_kernels.measure
+    monkeypatch.setattr(linear_kernels, "measure", lambda *a, **k: runs.append(1) or real(*a, **k, repeats=1))
+    shapes = {(24, 16): 2, (64, 16): 1}
+    first = auto_plan(shapes, torch.float32, device)
+    second = auto_plan(shapes, torch.float32, device)
+    assert (first.source, second.source, len(runs)) == ("measured", "cached", 1)
+    assert (second.one_row, second.multi_row) == (first.one_row, first.multi_row) and second.measured_ms == first.measured_ms
+    path = tmp_path / next(p.name for p in tmp_path.iterdir())
+    path.write_text("{ not json")
+    assert auto_plan(shapes, torch.float32, device).source == "measured" and len(runs) == 2
+    assert json.loads(path.read_text())["one_row"] in KERNELS  # rewritten whole
+    # Another shape is another entry.
+    auto_plan({(8, 16): 1}, torch.float32, device)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_read_only_cache_still_gives_a_plan(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder should be: the cache cannot be written
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(blocked / "kernels"))
+    plan = auto_plan({(24, 16): 1}, torch.float32, torch.device("cpu"))
+    assert plan.one_row in KERNELS and (plan.cache_file is None or plan.source == "only candidate")
+
+
+def test_bf16_never_offers_the_float32_only_kernel():
+    assert "mkl" not in candidates(torch.bfloat16, torch.device("cpu"))
+    assert candidates(torch.float16, torch.device("cpu")) == ["torch"]
+
+
+def test_the_fast_target_times_its_own_forward_with_each_kernel(monkeypatch, tmp_path):
+    from specdraft.decode.fast_target import FastTarget
+    from tests.helpers import tiny_llama
+
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(tmp_path))
+    plan = FastTarget(tiny_llama(0)).plan
+    names = candidates(torch.float32, torch.device("cpu"))
+    if len(names) > 1:
+        assert plan.source == "measured" and set(plan.measured_ms) == set(names)
+        assert all(set(ms) == {"1", "2", "4", "8"} for ms in plan.measured_ms.values())
+        assert FastTarget(tiny_llama(0)).plan.source == "cached"
+    assert plan.one_row in names and plan.multi_row in names
