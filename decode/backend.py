@@ -96,6 +96,6 @@ def _fast(model: torch.nn.Module, kernel: str) -> FastTarget:
     plan = backend.plan  # results.json records it (describe()); said once, when it was just measured
     if plan.source == "measured":
         one = {name: round(ms["1"], 2) for name, ms in plan.measured_ms.items()}
-        print(f"fast backend kernels: {plan.label}, measured on this machine (a one-row step's linear layers, ms: "
+        print(f"fast backend kernels: {plan.label}, measured on this machine (a one-row step with each, ms: "
               f"{one}); cached in {plan.cache_file}; target.kernel=NAME fixes one")
     return backend
