@@ -4,7 +4,6 @@ scripts): the target and proposer a BenchConfig names, HF `generate` as a timed 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdraft.io.files import write_text_atomically
 from specdraft.decode.backend import build_backend
 from specdraft.decode.config import BenchConfig
 from specdraft.decode.factory import attach_calibration, make_proposer, proposer_modules
@@ -198,7 +198,4 @@ def repeat_report(cfg: BenchConfig, results: dict[str, list[Generation]]) -> dic
             "repeats_differ": sum(g.repeats_differ for gens in results.values() for g in gens)}
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+atomic_write = write_text_atomically  # bench.py and bench_modes.py write results.json through it

@@ -11,11 +11,11 @@ tokens and survive by different rules, so each temperature bucket gets its own t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from specdraft.io.files import write_text_atomically
 from specdraft.decode.calibration import calibration_report, fit_sequential_temperatures
 from specdraft.decode.generate import Generation
 
@@ -60,10 +60,7 @@ def write_calibration(export_dir: Path, buckets: dict, meta: dict) -> Path:
     data["report"] = {name: bucket["report"] for name, bucket in buckets.items()}
     data["meta"] = meta
     path = Path(export_dir) / CALIBRATION_FILE
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomically(path, json.dumps(data, indent=1))
 
 
 def read_calibration(location: str | Path) -> dict | None:

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdraft.decode.linear_kernels import ROWS, KernelPlan, PackedLinear, plan_for
+from specdraft.decode.linear_kernels import ROWS, KernelPlan, PackedLinear, plan_for, weight_bytes
 
 # Architectures whose decoder layer is exactly: RMSNorm -> attention (q/k/v/o, RoPE, optional per-head q/k
 # RMSNorm, optional biases) -> residual -> RMSNorm -> SiLU-gated MLP -> residual, with a final RMSNorm.
@@ -245,7 +245,7 @@ class FastTarget:
         shapes = linear_shapes(model)
         # auto on a model of up to 1 GiB of weights: each kernel timed on this very forward (the linears'
         # cost depends on what else streams through the caches); on larger ones, on stand-in weights.
-        small = sum(o * i * c for (o, i), c in shapes.items()) * model.dtype.itemsize <= FORWARD_TIMING_MAX_BYTES
+        small = weight_bytes(shapes, model.dtype) <= FORWARD_TIMING_MAX_BYTES
         self.plan = plan_for(kernel, shapes, model.dtype, model.device,
                              timer=(lambda names: time_forwards(model, names)) if small else None)
         with torch.no_grad():

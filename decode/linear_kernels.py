@@ -32,6 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specdraft.io.files import write_text_atomically
+
 ROWS = (1, 2, 4, 8)  # a plain step, and the verify widths the schedulers use most
 COLD_BYTES = 96 << 20  # weights materialized per candidate for the measurement: past the last-level cache
 TWO_LAYOUTS_MIN_GAIN = 0.05  # a second layout of the weights must save at least 5% where it is used
@@ -93,6 +95,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
 KERNEL_CHOICES = ("auto", *KERNELS)
 
 
+def weight_bytes(shapes: dict[tuple[int, int], int], dtype: torch.dtype) -> int:
+    """Bytes of the weights of linear layers with these (out, in) -> count shapes."""
+    return sum(out * inp * count for (out, inp), count in shapes.items()) * dtype.itemsize
+
+
 def candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
     """The kernels that run here for `dtype`, in the order ties are broken (oneDNN first: it was measured
     best across row counts on the machines before this choice existed)."""
@@ -138,9 +145,8 @@ def measure(shapes: dict[tuple[int, int], int], dtype: torch.dtype, names: list[
     matrix larger than that), so they stream from memory as a forward's do, and times scale back up to
     the model's counts. Rounds interleave kernels and row counts, so drift in the machine's speed hits each
     alike."""
-    size = torch.finfo(dtype).bits // 8
-    total = sum(out * inp * count for (out, inp), count in shapes.items()) * size
-    share = min(1.0, cold_bytes / max(total, 1))
+    size = dtype.itemsize
+    share = min(1.0, cold_bytes / max(weight_bytes(shapes, dtype), 1))
     plan = []  # (rows of the matrix materialized, in, copies, factor back to the model's count and rows)
     for (out, inp), count in shapes.items():
         copies = max(1, round(count * share))
@@ -234,15 +240,12 @@ def auto_plan(shapes: dict[tuple[int, int], int], dtype: torch.dtype, device: to
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache entry: measure again and overwrite it
     measured = measure(shapes, dtype, names) if timer is None else timer(names)
-    weight_bytes = sum(o * i * c for (o, i), c in shapes.items()) * (torch.finfo(dtype).bits // 8)
-    one, wide = choose(measured, weight_bytes, _memory_bytes())
+    one, wide = choose(measured, weight_bytes(shapes, dtype), _memory_bytes())
     plan = KernelPlan(one, wide, "measured", measured, str(path))
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = path.with_suffix(f".tmp{os.getpid()}")
-            scratch.write_text(json.dumps({"one_row": one, "multi_row": wide, "measured_ms": measured}, indent=1))
-            os.replace(scratch, path)  # atomic: a reader sees the old entry or the whole new one
+            write_text_atomically(path, json.dumps({"one_row": one, "multi_row": wide, "measured_ms": measured}, indent=1))
         except OSError:
             plan.cache_file = None  # a read-only cache: the decision still holds for this run
     return plan

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.io.files import write_text_atomically
 from specdraft.decode.backend import as_backend
 from specdraft.decode.batch_draft import propose_blocks
 from specdraft.decode.batch_session import BatchedSession
@@ -311,7 +312,5 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
     profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length,
                           draft_batched=draft_batched, by_context=by_context)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(profile.to_json(), indent=1))
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(profile.to_json(), indent=1))
     return profile, path, True
