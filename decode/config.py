@@ -102,6 +102,37 @@ class BenchConfig:
     out_dir: str = "${hydra:runtime.output_dir}"
 
 
+@dataclass
+class ServerSettings:
+    """`python decode/serve.py`: where it listens, its limits and the live A/B split."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the id /v1/models lists and requests name (None: target.name_or_path)
+    max_concurrency: int = 16  # requests in the running batch at most
+    max_queue: int = 64  # requests waiting for a slot at most; more are refused with 429
+    max_prompt_tokens: int | None = None  # None: the target's context window
+    max_tokens: int | None = None  # a request's max_tokens at most (None: what the context window leaves)
+    request_timeout_s: float = 600.0  # from arrival to the last token; past it the request ends with 504
+    max_body_bytes: int = 1 << 20  # larger request bodies are refused with 413
+    # A random share of requests decoded without speculation (same engine, same batch), every metric
+    # labelled by arm; a request may force its arm with "specdraft_arm": "spec" | "plain".
+    ab_fraction: float = 0.0
+    ab_seed: int = 0
+    summary_every_s: float = 60.0  # a log line of both arms' figures this often while requests come (0: never)
+
+
+@dataclass
+class ServeConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    proposer: ProposerConfig = field(default_factory=ProposerConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)  # defaults of requests that do not set them
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    calibration: str = "auto"  # as bench.calibration
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+
 def register_configs() -> None:
-    """Register the schema that conf/bench.yaml extends."""
+    """Register the schemas that conf/bench.yaml and conf/serve.yaml extend."""
     ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+    ConfigStore.instance().store(name="serve_schema", node=ServeConfig)

@@ -265,6 +265,12 @@ class FastTarget:
         """What results.json records of the backend."""
         return {"name": self.name, "kernel": self.plan.label, "kernels": self.plan.describe()}
 
+    def packed_bytes(self) -> int:
+        """Memory of the linear weights' kernel layouts, beside the HF model's own weights (the torch
+        kernel computes on those)."""
+        layouts = {self.plan.one_row, self.plan.multi_row} - {"torch"}
+        return weight_bytes(linear_shapes(self.model), self.dtype) * len(layouts)
+
     def new_cache(self) -> FastCache:
         return FastCache(len(self.layers))
 

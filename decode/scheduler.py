@@ -222,7 +222,7 @@ def load_pays(survival: list[list[float]], lengths: list[int], draft_s: float, v
 
 class LoadRule(FixedRule):
     """scheduler=load's per-request part: draft the whole block (admission happens batch-wide); its
-    max_skip drives the batch-wide backoff after steps where nothing was admitted (decode/batch_generate.py)."""
+    max_skip drives the batch-wide backoff after steps where nothing was admitted (decode/engine.py)."""
 
     def __init__(self, max_skip: int = 16):
         self.max_skip = max_skip

@@ -32,7 +32,19 @@ def test_links_and_named_files_exist():
 
 @pytest.mark.slow
 def test_the_python_example_runs_as_written(capsys):
-    [example] = python_blocks(README)
+    [example] = [block for block in python_blocks(README) if "SpecDecoder" in block]
     exec(compile(example, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert re.search(r"tau \d\.\d\d, \d+\.\d tokens/s", printed), printed[-500:]
+
+
+@pytest.mark.slow
+def test_the_server_example_runs_as_written_against_the_embedded_target(capsys):
+    """The README's client code against `specdraft-serve` on the embedded default (on a free port, not 8000)."""
+    from tests.test_server import serving
+
+    [example] = [block for block in python_blocks(README) if "base_url" in block]
+    with serving("smollm2-135m-instruct", model_name="smollm2-135m-instruct") as (base, _):
+        exec(compile(example.replace("http://127.0.0.1:8000", base), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert len(printed.split()) >= 3, printed

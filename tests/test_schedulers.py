@@ -197,12 +197,12 @@ def test_load_scheduler_keeps_batched_sampling_lossless(make_profile, monkeypatc
     """Requests decoded together under scheduler=load at T=1: each request's first two tokens follow
     the target's distribution (a small vocabulary lets us enumerate it), with steps that admit ragged
     lengths and, for the second profile, steps the gate ends after c_1."""
-    from specdraft.decode import batch_generate
+    from specdraft.decode import engine
     from specdraft.models.drafter import BlockDrafter
 
     answers = []
-    spy = batch_generate.load_admits_any
-    monkeypatch.setattr(batch_generate, "load_admits_any", lambda *a: answers.append(spy(*a)) or answers[-1])
+    spy = engine.load_admits_any
+    monkeypatch.setattr(engine, "load_admits_any", lambda *a: answers.append(spy(*a)) or answers[-1])
 
     target = tiny_llama(0, vocab_size=VOCAB)
     with torch.no_grad():
