@@ -104,7 +104,7 @@ class BatchEngine:
         self.session = BatchedSession(model, proposer.feature_layers, pad_id)
         self.queue: list[tuple[int, Request]] = []
         self.active: list[_Active] = []
-        self._next_rid = 0
+        self.next_rid = 0  # ids go on across engines a server rebuilds, so a stale cancel cannot hit a new request
         # scheduler=load admits batch-wide, so it backs off batch-wide too: after a step that admitted nothing,
         # nobody drafts for 1, 2, 4, ... steps, and requests that join inherit that state. Per-request
         # backoffs would probe out of phase, so under load nearly every step would pay a batched probe.
@@ -126,7 +126,7 @@ class BatchEngine:
         """Queue a request; it joins at the start of a later step. Returns its id."""
         if request.max_new_tokens < 1 or not request.prompt_ids:
             raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
-        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
         self.queue.append((rid, request))
         return rid
 
@@ -193,7 +193,7 @@ class BatchEngine:
             before = len(item.result.output_ids)
             at_eos = record_step(item.result, item.context, item.proposal, accepted, next_token, self.eos, room)
             item.done = at_eos or len(item.result.output_ids) >= item.request.max_new_tokens
-            if not item.done:
+            if not item.done and item.request.speculate:
                 item.proposer.commit(item.context, None if features is None else features[r, : 1 + accepted])
             events.append(StepEvent(item.rid, item.result.output_ids[before:], k, accepted, item.done, item.result))
         self.session.keep(counts)
@@ -210,7 +210,8 @@ class BatchEngine:
         item = _Active(rid, request, sampler, self.proposer.clone(), list(request.prompt_ids) + [first],
                        Generation(output_ids=[first]), started)
         item.result.ttft_s = time.perf_counter() - started
-        item.proposer.start(list(item.context), features)
+        if request.speculate:  # the plain arm never drafts: its proposer keeps no state (and costs nothing)
+            item.proposer.start(list(item.context), features)
         item.backoff = make_backoff(self.rule, self.proposer) if self.load is None else None
         item.done = first in self.eos or request.max_new_tokens == 1
         self.active.append(item)
@@ -261,8 +262,8 @@ def _draft_all(items: list[_Active], limits: list[int], rule, gate=None) -> None
     propose_blocks; drafters that cannot batch draw whole blocks and leave the cut to admission)."""
     if can_batch([item.proposer for item in items]):
         groups: dict[Sampler, list[int]] = {}
-        for i, item in enumerate(items):
-            groups.setdefault(item.sampler, []).append(i)
+        for i, item in enumerate(items):  # greedy drafting reads no sampling setting: one group for all greedy
+            groups.setdefault(Sampler() if item.sampler.greedy else item.sampler, []).append(i)
         # The load gate answers for the whole step; with several samplers no group sees every row, so the
         # blocks are drawn whole and admission cuts them (the lazy=False twin: the same admitted positions).
         gate = gate if len(groups) == 1 else None

@@ -16,6 +16,7 @@ if __name__ == "__main__" and Path(sys.path[0]).resolve() == Path(__file__).reso
 import random  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from collections import deque  # noqa: E402
 
 import hydra  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -86,7 +87,8 @@ def build_runtime(cfg: ServeConfig, log=print) -> Runtime:
     default = Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
 
     def make_engine() -> BatchEngine:
-        load = LoadPolicy(profile, rule) if cfg.scheduler.name == "load" else None
+        # a server runs for days: keep the latest steps' admissions only
+        load = LoadPolicy(profile, rule, admitted=deque(maxlen=10_000)) if cfg.scheduler.name == "load" else None
         return BatchEngine(backend, proposer, default, cfg.decode.num_draft, stop, None if load else rule, load,
                            server.max_concurrency, pad)
 
@@ -100,7 +102,8 @@ def build_runtime(cfg: ServeConfig, log=print) -> Runtime:
     worker.start()
     window = getattr(target.model.config, "max_position_embeddings", None)
     name = server.model_name or cfg.target.name_or_path
-    return Runtime(cfg, target.tokenizer, name, window, worker, metrics, int(time.time()), random.Random(server.ab_seed))
+    return Runtime(cfg, target.tokenizer, name, window, worker, metrics, int(time.time()), random.Random(server.ab_seed),
+                   target.model.device)
 
 
 def _shares(proposer, target) -> bool:

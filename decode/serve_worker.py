@@ -27,6 +27,10 @@ class QueueFull(Exception):
     """Every slot and queue place is taken (HTTP 429)."""
 
 
+class WorkerDown(Exception):
+    """The engine worker has stopped (HTTP 503); /health says so too."""
+
+
 @dataclass
 class Job:
     """One HTTP request's generation, as the worker and its handler share it."""
@@ -87,6 +91,8 @@ class EngineWorker:
 
     def submit(self, job: Job) -> None:
         with self._cond:
+            if self.failure is not None or self._stopping:
+                raise WorkerDown("the engine worker has stopped; see the server log")
             if self._alive >= self.capacity:
                 raise QueueFull(f"all {self.engine.max_concurrency} slots and {self.max_queue} queue places are taken")
             self._alive += 1
@@ -117,32 +123,50 @@ class EngineWorker:
                     new, self._inbox = self._inbox, []
                     gone, self._cancels = self._cancels, []
                 for job in new:
-                    if job.closed:
-                        self._end(job, "cancelled", notify=False)
-                        continue
-                    job.rid = self.engine.submit(job.request)
-                    self.jobs[job.rid] = job
+                    self._admit(job)
                 for job in gone:
                     self._drop(job, "cancelled", notify=False)
                 self._expire()
                 if not self.engine.idle:
                     self._step()
                 self._gauges()
-        except BaseException:  # the worker must not die silently: /health reports it
-            self.failure = traceback.format_exc()
+        except BaseException:  # the worker must not die silently: /health reports it, submit refuses
+            with self._cond:
+                self.failure = traceback.format_exc()
+                waiting, self._inbox = self._inbox, []
             self.log(f"engine worker stopped: {self.failure}")
-            for job in list(self.jobs.values()) + self._inbox:
+            for job in list(self.jobs.values()) + waiting:
                 job.send("error", 500, "the engine worker stopped; see the server log")
+
+    def _admit(self, job: Job) -> None:
+        """Hand a job to the engine's queue; a request the engine refuses ends alone with a 400."""
+        if job.closed:
+            self._end(job, "cancelled", notify=False)
+            return
+        try:
+            job.rid = self.engine.submit(job.request)
+        except ValueError as err:
+            job.send("error", 400, str(err))
+            self._end(job, "error", notify=False)
+            return
+        self.jobs[job.rid] = job
 
     def _step(self) -> None:
         try:
             events = self.engine.step()
         except Exception as err:  # a step serves every running request: end them, rebuild, go on serving
-            self.log(f"engine step failed ({type(err).__name__}: {err}); ending its {len(self.jobs)} requests")
-            for job in list(self.jobs.values()):
+            running = [job for job in self.jobs.values() if job.first_at is not None]
+            queued = [job for job in self.jobs.values() if job.first_at is None]  # never joined: they go on
+            self.log(f"engine step failed ({type(err).__name__}: {err}); ending its {len(running)} running requests")
+            for job in running:
                 job.send("error", 500, f"the decoding step failed: {type(err).__name__}: {err}")
                 self._end(job, "error", notify=False)
-            self.engine = self.make_engine()
+            next_rid, self.engine = self.engine.next_rid, self.make_engine()
+            self.engine.next_rid = next_rid
+            self.jobs.clear()
+            for job in queued:
+                job.rid = None
+                self._admit(job)
             return
         verified = [event for event in events if not (event.joined or event.cancelled)]
         if verified:
@@ -159,13 +183,14 @@ class EngineWorker:
                 self._drop(job, "error", notify=False)
 
     def _deliver(self, job: Job, event) -> None:
-        now = time.perf_counter()
+        before = len(job.stream.tokens)
+        piece = job.stream.push(event.new_tokens)
+        kept = len(job.stream.tokens) - before  # a stop string keeps only the tokens up to it
         if event.joined:  # the prefill's token
-            job.first_at = now
+            job.first_at = time.perf_counter()
             self.metrics.first_token(job.arm)
         else:
-            self.metrics.step(job.arm, event.drafted, event.accepted, len(event.new_tokens), job.request.speculate)
-        piece = job.stream.push(event.new_tokens)
+            self.metrics.step(job.arm, event.drafted, event.accepted, kept, job.request.speculate)
         if piece:
             job.send("text", piece)
         if job.stream.stopped:
@@ -185,6 +210,8 @@ class EngineWorker:
 
     def _drop(self, job: Job, reason: str, notify: bool = True) -> None:
         """End a job the engine may still run: cancel it there (its slot goes at the next step)."""
+        if job.finish_reason is not None:
+            return  # ended already (its engine id may belong to another request by now)
         if job.rid is not None:
             self.engine.cancel(job.rid)
         self._end(job, reason, notify)
@@ -197,10 +224,9 @@ class EngineWorker:
             self.jobs.pop(job.rid, None)
         with self._cond:
             self._alive -= 1
-        now = time.perf_counter()
-        first = job.first_at if job.first_at is not None else now
-        self.metrics.finished(job.arm, reason, job.prompt_tokens, job.completion_tokens, first - job.arrived,
-                              now - job.arrived, first - job.arrived)
+        first = None if job.first_at is None else job.first_at - job.arrived
+        self.metrics.finished(job.arm, reason, job.prompt_tokens, job.completion_tokens, first,
+                              time.perf_counter() - job.arrived)
         if notify:
             job.send("done", reason)
 

@@ -25,7 +25,7 @@ from specdraft.decode.config import ServeConfig
 from specdraft.decode.engine import Request
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.server_metrics import ARMS, ServerMetrics
-from specdraft.decode.serve_worker import EngineWorker, Job, QueueFull
+from specdraft.decode.serve_worker import EngineWorker, Job, QueueFull, WorkerDown
 from specdraft.decode.textstream import TextStream
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -43,8 +43,8 @@ class APIError(Exception):
                  kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                             429: "rate_limit_error", 504: "timeout_error"}.get(status, "server_error")
+        self.kind = kind or {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                             413: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -62,6 +62,7 @@ class Runtime:
     metrics: ServerMetrics
     created: int
     arm_rng: random.Random
+    device: torch.device  # where request generators live (the target's device)
 
     @property
     def max_prompt_tokens(self) -> int | None:
@@ -181,15 +182,24 @@ def _chat_ids(tokenizer, messages: list) -> list[int]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}] needs a role among {list(ROLES)} and a content", f"messages[{i}]")
         turns.append({"role": message["role"], "content": _text_of(message.get("content", ""), f"messages[{i}]")})
-    encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(encoded["input_ids"])
+    try:
+        encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except Exception as err:  # the template's own checks (roles must alternate, no system turn, ...)
+        raise APIError(400, f"the target's chat template refused these messages: {err}", "messages") from None
+    ids = list(encoded["input_ids"])
+    if not ids:
+        raise APIError(400, "the messages encode to no tokens", "messages")
+    return ids
 
 
 def _completion_ids(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a list; several (n prompts per request) are not served
     if isinstance(prompt, str) and prompt:
-        return list(tokenizer(prompt)["input_ids"])
+        ids = list(tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise APIError(400, f"'prompt' {prompt[:40]!r} encodes to no tokens", "prompt")
+        return ids
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < len(tokenizer) for t in prompt):
             raise APIError(400, f"'prompt' holds token ids outside the vocabulary (0..{len(tokenizer) - 1})", "prompt")
@@ -269,7 +279,8 @@ def _parse(body: dict, prompt_ids: list[int], runtime: Runtime) -> Parsed:
 
 
 async def _serve(http: HTTPRequest, runtime: Runtime, parsed: Parsed, kind: str):
-    generator = torch.Generator().manual_seed(parsed.seed if parsed.seed is not None else secrets.randbits(63))
+    seed = parsed.seed if parsed.seed is not None else secrets.randbits(63)
+    generator = torch.Generator(device=runtime.device).manual_seed(seed)
     request = Request(parsed.prompt_ids, parsed.max_tokens, generator, parsed.sampler, speculate=parsed.arm == "spec")
     job = Job(request, TextStream(runtime.tokenizer, parsed.stop), parsed.arm, len(parsed.prompt_ids),
               asyncio.get_running_loop(), runtime.cfg.server.request_timeout_s)
@@ -277,6 +288,8 @@ async def _serve(http: HTTPRequest, runtime: Runtime, parsed: Parsed, kind: str)
         runtime.worker.submit(job)
     except QueueFull as err:
         raise APIError(429, f"the server is busy: {err}; retry later", code="server_busy") from None
+    except WorkerDown as err:
+        raise APIError(503, str(err), code="engine_stopped") from None
     ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if parsed.stream:
@@ -285,7 +298,9 @@ async def _serve(http: HTTPRequest, runtime: Runtime, parsed: Parsed, kind: str)
     pieces = []
     try:
         while True:
-            item = await job.events.get()
+            item = await _next_event(http, job)
+            if item is None:  # the client left: the slot is freed below
+                return Response(status_code=499)
             if item[0] == "text":
                 pieces.append(item[1])
             elif item[0] == "error":
@@ -293,12 +308,27 @@ async def _serve(http: HTTPRequest, runtime: Runtime, parsed: Parsed, kind: str)
             else:
                 break
     finally:
-        runtime.worker.cancel(job)  # a no-op once finished; frees the slot if the client gave up
+        runtime.worker.cancel(job)  # a no-op once finished; frees the slot if the client left
     text = "".join(pieces)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": job.finish_reason}
               if kind == "chat" else {"index": 0, "text": text, "finish_reason": job.finish_reason, "logprobs": None})
     return {"id": ident, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
             "model": runtime.model_name, "choices": [choice], "usage": _usage(job), "specdraft": {"arm": job.arm}}
+
+
+async def _next_event(http: HTTPRequest, job: Job, poll_s: float = 0.5):
+    """The job's next event; None once the client has disconnected (a non-streamed handler is not cancelled
+    when its client leaves, so it looks). The worker ends a job past its timeout; past that plus a margin the
+    handler gives up itself (a worker that stopped answering)."""
+    give_up = job.arrived + job.timeout_s + 30
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=poll_s)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return None
+            if time.perf_counter() > give_up:
+                return ("error", 504, f"no answer from the engine within {job.timeout_s:g} s")
 
 
 def _usage(job: Job) -> dict:
@@ -326,7 +356,9 @@ async def _sse(http: HTTPRequest, runtime: Runtime, job: Job, kind: str, ident: 
         if kind == "chat":
             yield chunk(None, first=True)
         while True:
-            item = await job.events.get()
+            item = await _next_event(http, job)
+            if item is None:
+                return
             if item[0] == "text":
                 yield chunk(item[1])
             elif item[0] == "error":

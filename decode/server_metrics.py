@@ -7,11 +7,13 @@ has its own registry (tests run several in one process).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 ARMS = ("spec", "plain")
+WINDOW = 10_000  # requests the summary's quantiles cover (the latest; the histograms keep everything)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60)
 disable_created_metrics()  # no *_created series: they double the scrape and say nothing a server reader needs
 
@@ -26,8 +28,8 @@ class ArmTotals:
     completion_tokens: int = 0
     decode_tokens: int = 0  # tokens after the first (TPOT's numerator)
     decode_s: float = 0.0  # time after the first token
-    ttft_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    tpot_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps: int = 0
     step_tokens: int = 0  # tokens the verify steps appended (tau's numerator)
     drafted: int = 0
@@ -141,19 +143,22 @@ class ServerMetrics:
         self.batch_rows.observe(rows)
         self.admitted.observe(admitted)
 
-    def finished(self, arm: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_s: float,
-                 total_s: float, first_token_at_s: float) -> None:
-        """A request ended; ttft_s and total_s from its arrival, first_token_at_s when its first token came."""
+    def finished(self, arm: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                 ttft_s: float | None, total_s: float) -> None:
+        """A request ended; ttft_s (None: no token came) and total_s from its arrival. Latencies count only
+        requests that ran to their end (stop or length), not cancelled, timed-out or failed ones."""
         totals = self.totals[arm]
         totals.requests += 1
         totals.completion_tokens += completion_tokens
         self.requests.labels(arm, finish_reason).inc()
         self.prompt_tokens.labels(arm).inc(prompt_tokens)
+        if finish_reason not in ("stop", "length") or ttft_s is None:
+            return
         self.ttft.labels(arm).observe(ttft_s)
         totals.ttft_s.append(ttft_s)
         self.e2e.labels(arm).observe(total_s)
         if completion_tokens > 1:
-            decode_s = max(total_s - first_token_at_s, 0.0)
+            decode_s = max(total_s - ttft_s, 0.0)
             tpot = decode_s / (completion_tokens - 1)
             self.tpot.labels(arm).observe(tpot)
             totals.tpot_s.append(tpot)

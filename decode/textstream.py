@@ -2,7 +2,7 @@
 
 A step can accept several tokens, and a token can end a character (or a stop string) that an earlier
 one began, so the whole output is decoded each time and only text that can no longer change is sent:
-text ending in U+FFFD (an unfinished UTF-8 sequence) and a tail that could still grow into a stop string
+trailing U+FFFD (an unfinished UTF-8 sequence: byte-fallback tokenizers show one per pending byte) and a tail that could still grow into a stop string
 are held back. When a stop string appears, the text ends before it (it is not returned, as in OpenAI's
 API) and the tokens counted are those up to the one that completed it.
 """
@@ -31,7 +31,7 @@ class TextStream:
         if not self.stop:
             self.tokens.extend(new_tokens)
             self.text = self._decode(self.tokens)
-            return self._release(len(self.text) - (1 if self.text.endswith("\ufffd") else 0))
+            return self._release(len(self.text.rstrip("\ufffd")))
         longest = max(len(s) for s in self.stop)
         for token in new_tokens:  # token by token: the count of tokens kept ends at the stop string
             self.tokens.append(token)
@@ -42,7 +42,7 @@ class TextStream:
                 self.text, self.stopped = text[: min(where)], True
                 return self._release(len(self.text))
             self.text = text
-        end = len(self.text) - (1 if self.text.endswith("\ufffd") else 0)
+        end = len(self.text.rstrip("\ufffd"))
         # Hold back the longest tail that is the beginning of a stop string.
         for size in range(min(longest - 1, end - self.sent), 0, -1):
             tail = self.text[end - size : end]

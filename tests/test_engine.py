@@ -111,6 +111,29 @@ def test_text_stream_releases_held_text_that_did_not_become_a_stop_string():
     assert stream.finish() == "\ufffd" and not stream.stopped
 
 
+def test_text_stream_holds_back_every_pending_byte_of_a_character():
+    """Byte-fallback tokenizers decode each pending byte of a character as one U+FFFD."""
+    stream = TextStream(_Emoji())
+    assert stream.push([0, 1]) == "a"
+    assert stream.push([2]) == ""  # three bytes pending: "a" + 3 x U+FFFD, nothing more to send
+    assert stream.push([3]) == "\U0001F600b" and stream.finish() == ""
+
+
+class _Emoji:
+    """Decodes like a byte-fallback tokenizer: the emoji's four bytes show as U+FFFD until the last one."""
+
+    def decode(self, tokens, skip_special_tokens=True):
+        text, pending = "", 0
+        for token in tokens:
+            if token == 0:
+                text += "a"
+            elif token in (1, 2):
+                pending += 2 if token == 2 else 1
+            else:
+                text, pending = text + "\U0001F600b", 0
+        return text + "\ufffd" * pending
+
+
 def test_text_stream_with_a_real_tokenizer_matches_decoding_at_once():
     tokenizer = tiny_tokenizer()
     ids = tokenizer("w1 w2 w3 w4 w5")["input_ids"]

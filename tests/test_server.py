@@ -163,7 +163,8 @@ def test_seeded_sampling_repeats_and_arms_can_be_forced(server, reference):
 @pytest.mark.parametrize("case", ["invalid_json", "not_an_object", "missing_messages", "unknown_model", "missing_model",
                                   "negative_temperature", "top_p_zero", "top_p_above_one", "max_tokens_beyond_limit",
                                   "prompt_beyond_context", "oversized_body", "bad_stop", "n_two", "logprobs",
-                                  "bad_role", "bad_arm", "zero_max_tokens", "unknown_route"])
+                                  "bad_role", "bad_arm", "zero_max_tokens", "unknown_route", "blank_prompt",
+                                  "wrong_method"])
 def test_bad_requests_get_clean_4xx_answers_and_the_server_keeps_serving(server, case):
     base, _ = server
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 4}
@@ -188,6 +189,8 @@ def test_bad_requests_get_clean_4xx_answers_and_the_server_keeps_serving(server,
         "bad_arm": ("/v1/chat/completions", {**chat, "specdraft_arm": "both"}, 400, None),
         "zero_max_tokens": ("/v1/chat/completions", {**chat, "max_tokens": 0}, 400, None),
         "unknown_route": ("/v1/embeddings", {"model": "tiny", "input": "x"}, 404, "not_found"),
+        "blank_prompt": ("/v1/completions", {"model": "tiny", "prompt": "   "}, 400, None),  # encodes to no tokens
+        "wrong_method": ("/health", {}, 405, None),
     }
     path, body, status, code = cases[case]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -281,6 +284,16 @@ def test_clients_that_disconnect_mid_stream_free_their_slots_and_kv_memory(tiny_
         assert seen_kv > 0  # the running requests held KV memory, and it went back to the idle size
         assert metric(base, "specdraft_requests_total", arm="spec", finish_reason="cancelled") == 6
         assert metric(base, "specdraft_running_requests") == 0 and metric(base, "specdraft_queue_depth") == 0
+        # A client of a non-streamed request that gives up frees its slot too (steps slowed to a second: the
+        # request would run for seconds, the client leaves after half of one).
+        slow_steps(runtime, 1.0)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/chat/completions", json=body, timeout=0.5)
+        deadline = time.time() + 60
+        while runtime.worker.load() != (0, 0):
+            assert time.time() < deadline, f"slot not freed: {runtime.worker.load()}"
+            time.sleep(0.1)
+        assert metric(base, "specdraft_requests_total", arm="spec", finish_reason="cancelled") == 7
         assert client(base).completions.create(model="tiny", prompt="w1", max_tokens=2).choices[0].text
 
 
