@@ -112,11 +112,11 @@ def _shares(proposer, target) -> bool:
 
 
 def summary_line(runtime: Runtime) -> str:
-    """One log line of both arms: requests, tokens/s after the first token, mean TPOT, p50 TTFT, tau."""
+    """One log line of both arms: requests, a request's tokens/s after its first token, mean TPOT, p50 TTFT, tau."""
     parts = []
     for arm, s in runtime.metrics.summary().items():
         if s["requests"]:
-            rate = f"{s['tokens_per_s_after_first']:.1f} tok/s" if s["tokens_per_s_after_first"] else "- tok/s"
+            rate = f"{s['request_tokens_per_s']:.1f} tok/s per request" if s["request_tokens_per_s"] else "- tok/s"
             tpot = f"{1000 * s['tpot_s_mean']:.1f} ms" if s["tpot_s_mean"] else "-"
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
             parts.append(f"{arm}: {s['requests']} requests, {rate}, TPOT {tpot}, TTFT p50 {1000 * s['ttft_s_p50']:.0f} ms, "

@@ -366,7 +366,8 @@ async def _sse(http: HTTPRequest, runtime: Runtime, job: Job, kind: str, ident: 
                 return
             else:
                 break
-        yield chunk(None, job.finish_reason)
+        last = chunk(None, job.finish_reason)
+        yield last.replace('"choices"', f'"specdraft": {{"arm": "{job.arm}"}}, "choices"', 1)  # which A/B arm served it
         if include_usage:
             usage = {"id": ident, "object": obj, "created": created, "model": runtime.model_name, "choices": [],
                      "usage": _usage(job)}

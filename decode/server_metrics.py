@@ -44,7 +44,9 @@ class ArmTotals:
 
         return {
             "requests": self.requests, "completion_tokens": self.completion_tokens,
-            "tokens_per_s_after_first": self.decode_tokens / self.decode_s if self.decode_s > 0 else None,
+            # one request's speed after its first token (1 / mean TPOT): the arms share the batch, so this is
+            # what speculation changes for each of them
+            "request_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s > 0 else None,
             "tpot_s_mean": self.decode_s / self.decode_tokens if self.decode_tokens else None,
             "ttft_s_p50": quantile(self.ttft_s, 0.5), "ttft_s_p99": quantile(self.ttft_s, 0.99),
             "tpot_s_p50": quantile(self.tpot_s, 0.5), "tpot_s_p99": quantile(self.tpot_s, 0.99),
