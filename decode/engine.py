@@ -317,5 +317,7 @@ def _admit(active: list[_Active], load: LoadPolicy) -> int:
     lengths = load_schedule(survival, draft_s, load.verify_s)
     for item, length in zip(active, lengths):
         item.proposal = item.proposal.truncate(length)
+        if hasattr(item.proposer, "admitted"):
+            item.proposer.admitted(length)  # proposers that learn from verified steps learn from these only
     load.admitted.append(sum(lengths))
     return sum(lengths) if load_pays(survival, lengths, draft_s, load.verify_s) else 0

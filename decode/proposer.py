@@ -194,9 +194,16 @@ class NgramProposer:
         # scheduled: cut by the rule here (a probe included), so the loop must not cut it again
         return Proposal(tokens[:keep], confidence=confidence[:keep], scheduled=rule is not None)
 
+    def admitted(self, length: int) -> None:
+        """scheduler=load cut the last proposal to `length` positions after propose(): only those are verified,
+        so only those teach the statistics (counting the cut ones as rejections would teach that lookup never
+        pays wherever admission once declined it, and admission would then never try it again)."""
+        if self.pending is not None:
+            context, matched, drafted = self.pending
+            self.pending = (context, matched, min(drafted, length))
+
     def commit(self, context_ids, features):
-        # The step kept its accepted drafts and the target's own token: accepted = new tokens - 1. (Under
-        # scheduler=load, admission may cut a proposal after propose(); a cut then counts as a rejection.)
+        # The step kept its accepted drafts and the target's own token: accepted = new tokens - 1.
         if self.pending is not None:
             length, matched, drafted = self.pending
             if drafted:
@@ -527,6 +534,11 @@ class HybridProposer:
             if proposal.tokens and proposal.scheduled and hasattr(rule, "break_even"):  # its verified positions
                 self.pending = (rule, len(context_ids), len(proposal.tokens))
         return proposal
+
+    def admitted(self, length: int) -> None:
+        """scheduler=load cut the last proposal to `length` positions (see NgramProposer.admitted)."""
+        if self.last == "lookup":
+            self.lookup.admitted(length)
 
     def commit(self, context_ids, features):
         if self.pending is not None:

@@ -115,3 +115,21 @@ def test_the_probe_reaches_the_target(target_model):
     proposer = NgramProposer(max_ngram=2)
     proposer.stats.declined[2] = NgramProposer.PROBE_EVERY - 1
     assert draft(proposer, [1, 2, 3, 4, 1, 2], 4, Sampler(), None, ThresholdRule(0.6)).tokens == [3]
+
+
+def test_positions_cut_by_load_admission_do_not_count_as_rejections():
+    """scheduler=load cuts a lookup proposal after propose(); only the admitted positions were verified, so
+    only they teach the statistics (else a declined proposal would read as a rejection at position 1, and
+    admission, which reads those statistics, would never try lookup again)."""
+    proposer = NgramProposer(3)
+    context = [5, 6, 7, 8, 5, 6, 7]
+    proposal = proposer.propose(context, 3, Sampler(), None)
+    assert proposal.tokens == [8, 5, 6]
+    proposer.admitted(0)  # admission declined all of it: the step decoded plainly
+    proposer.commit(context + [9], None)
+    assert proposer.stats.tries == SurvivalStats(3).tries  # nothing learned
+    proposer.propose(context, 3, Sampler(), None)
+    proposer.admitted(2)  # two positions verified, the first accepted, the second rejected
+    proposer.commit(context + [8, 1], None)
+    matched = 3
+    assert proposer.stats.tries[matched][:3] == [1, 1, 0] and proposer.stats.hits[matched][:3] == [1, 0, 0]
