@@ -5,6 +5,7 @@ Test modules import from here (or use conftest fixtures), never from one another
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -340,3 +341,40 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
+
+
+@contextlib.contextmanager
+def serving(model_dir: str, **server):
+    """A server on a target folder or alias (float32, prompt lookup) at a free loopback port; yields (base_url,
+    runtime)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from specdraft.decode.config import DecodeConfig, ProposerConfig, ServeConfig, ServerSettings
+    from specdraft.decode.serve import build_runtime
+    from specdraft.decode.server import make_app
+    from specdraft.io.config import TargetConfig
+
+    proposer = server.pop("proposer", ProposerConfig(name="ngram"))
+    cfg = ServeConfig(target=TargetConfig(name_or_path=model_dir, dtype="float32"), proposer=proposer,
+                      decode=DecodeConfig(num_draft=3), server=ServerSettings(**{"model_name": "tiny", **server}))
+    runtime = build_runtime(cfg, log=lambda *a: None)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    instance = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not instance.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", runtime
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)
+        runtime.worker.stop()

@@ -41,7 +41,7 @@ def test_the_python_example_runs_as_written(capsys):
 @pytest.mark.slow
 def test_the_server_example_runs_as_written_against_the_embedded_target(capsys):
     """The README's client code against `specdraft-serve` on the embedded default (on a free port, not 8000)."""
-    from tests.test_server import serving
+    from tests.helpers import serving
 
     [example] = [block for block in python_blocks(README) if "base_url" in block]
     with serving("smollm2-135m-instruct", model_name="smollm2-135m-instruct") as (base, _):

@@ -11,50 +11,19 @@ import json
 import re
 import socket
 import statistics
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import torch
 
-from specdraft.decode.config import DecodeConfig, ProposerConfig, ServeConfig, ServerSettings
+from specdraft.decode.config import ServeConfig, ServerSettings
 from specdraft.decode.serve import build_runtime
-from specdraft.decode.server import make_app
 from specdraft.io.config import TargetConfig
 from specdraft.io.target import load_target
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, serving
 
 PROMPTS = ["w1 w2 w3 w1 w2", "w7 w8 w9 w7 w8 w9 w7", "w20 w21", "w3 w3 w3 w3", "w11 w12 w13 w14 w11 w12"]
-
-
-@contextlib.contextmanager
-def serving(model_dir: str, **server):
-    """A server on a target folder or alias (float32, prompt lookup) at a free loopback port; yields (base_url,
-    runtime)."""
-    import uvicorn
-
-    proposer = server.pop("proposer", ProposerConfig(name="ngram"))
-    cfg = ServeConfig(target=TargetConfig(name_or_path=model_dir, dtype="float32"), proposer=proposer,
-                      decode=DecodeConfig(num_draft=3), server=ServerSettings(**{"model_name": "tiny", **server}))
-    runtime = build_runtime(cfg, log=lambda *a: None)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    instance = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not instance.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", runtime
-    finally:
-        instance.should_exit = True
-        thread.join(timeout=10)
-        runtime.worker.stop()
 
 
 @pytest.fixture(scope="module")
