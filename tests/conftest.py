@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 from tests.helpers import save_tiny_model, tiny_llama
 
 # Tiny models run fastest on one thread, and CI shares the machine with nothing else to use.
 torch.set_num_threads(1)
+
+# Fuzzing profiles (tests/test_fuzz.py): `ci` is the default run's bounded, reproducible one; `long` is on demand
+# (HYPOTHESIS_PROFILE=long), with fresh randomness each run.
+settings.register_profile("ci", max_examples=1000, derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=2000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
