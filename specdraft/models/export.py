@@ -51,6 +51,42 @@ def export_config(path: str | Path) -> Path:
     return config
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def check_weights(path: str | Path) -> list[Path]:
+    """The export's safetensors files, each with a header that reads and covers the file; a clear error for a
+    missing, truncated or corrupt one, and for pickle weights (never unpickled: a pickle can run code)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} is not a safetensors index ({type(err).__name__}: {err})") from None
+    else:
+        files = [path / "model.safetensors"]
+    for file in files:
+        if not file.is_file():
+            pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if pickles:
+                raise ValueError(f"drafter export {path} holds pickle weights ({', '.join(pickles)}) and no {file.name}; "
+                                 "specdraft loads weights only from safetensors and never unpickles them: convert them "
+                                 "with safetensors.torch.save_file, or export the drafter again")
+            raise ValueError(f"drafter export {path} has no {file.name}; export the drafter again "
+                             "(python train/distill.py ... with the run's hydra.run.dir resumes and exports)")
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is truncated or corrupt ({err}); exports are written whole or not at all, so "
+                             "it was damaged after it was written (a cut copy, a full disk): copy or export it again"
+                             ) from None
+    return files
+
+
 def recorded_target(path: str | Path) -> str:
     """The target an export was distilled from, by the name its user gave (specdraft.json), else the verifier
     its speculators config.json names (a checkpoint made elsewhere)."""
@@ -109,8 +145,10 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
     """A drafter export for this target (refused, naming both, if it was made for another)."""
     path = Path(path)
     export_config(path)
+    check_weights(path)
     sidecar = path / SIDECAR
-    expected = json.loads(sidecar.read_text())["target"] if sidecar.is_file() else None
+    saved = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+    expected = saved.get("target")
     actual = target_signature(target_model, target_name)
     keys = SHAPE_KEYS
     if expected is None:  # a checkpoint from elsewhere: only the widths its decoder config records can be compared
@@ -132,6 +170,21 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
         drafter, layers = import_speculators(path, target_model.config, target_model.config._name_or_path)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ValueError(f"drafter export {path} is corrupt or incomplete ({type(err).__name__}: {err})") from None
+    _check_feature_layers(path, tuple(int(i) for i in layers), saved.get("feature_layers"),
+                          target_model.config.num_hidden_layers)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
     return drafter.to(device=target_model.device, dtype=target_model.dtype).eval(), layers
+
+
+def _check_feature_layers(path: Path, layers: tuple[int, ...], recorded, num_layers: int) -> None:
+    """The target layers the drafter reads must exist, and must be the ones it was trained on: read wrongly, a
+    drafter still runs, only its acceptance collapses (tau near 1) with no error."""
+    outside = [i for i in layers if not 0 <= i <= num_layers]
+    if outside:
+        raise ValueError(f"{path}/config.json has the drafter read target layers {list(layers)}, but the target has "
+                         f"hidden states 0..{num_layers} (layers {outside} do not exist): this export is for another "
+                         "target, or its config.json was edited; export it again")
+    if recorded is not None and list(recorded) != list(layers):
+        raise ValueError(f"{path}/config.json has the drafter read target layers {list(layers)}, but it was trained on "
+                         f"layers {list(recorded)} ({SIDECAR}); one of the two files was edited: export it again")

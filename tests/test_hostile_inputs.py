@@ -1,0 +1,82 @@
+"""Hostile inputs to the drafter loader: each is refused with one clear error naming the file and what to do, and
+nothing is unpickled. (A truncated model.safetensors used to end in a raw SafetensorError from transformers.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.decode.config import ProposerConfig
+from specdraft.decode.factory import make_proposer
+from specdraft.io.target import load_target
+
+
+@pytest.fixture()
+def export(tiny_export):
+    return Path(tiny_export)
+
+
+def load(export_dir: Path, model_dir: str):
+    target = load_target(model_dir, "float32")
+    return make_proposer(ProposerConfig(name="drafter", path=str(export_dir)), target, model_dir)[0]
+
+
+def edit_config(export_dir: Path, change) -> None:
+    config = json.loads((export_dir / "config.json").read_text())
+    change(config)
+    (export_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_the_untouched_export_loads(export, tiny_model_dir):
+    assert load(export, tiny_model_dir).feature_layers == (1, 2)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header_only", "garbage", "empty"])
+def test_a_damaged_safetensors_file_is_named_with_the_fix(export, tiny_model_dir, damage):
+    weights = export / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[: len(data) // 2], "header_only": data[:8], "garbage": b"\x07" * 64,
+                         "empty": b""}[damage])
+    with pytest.raises(ValueError, match=r"model\.safetensors is truncated or corrupt .*copy or export it again"):
+        load(export, tiny_model_dir)
+
+
+def test_pickle_weights_are_refused_and_never_unpickled(export, tiny_model_dir, monkeypatch):
+    state = {"w": torch.zeros(2)}
+    (export / "model.safetensors").unlink()
+    torch.save(state, export / "pytorch_model.bin")
+    unpickled = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(a) or state)
+    with pytest.raises(ValueError, match=r"holds pickle weights \(pytorch_model\.bin\).*never unpickles"):
+        load(export, tiny_model_dir)
+    assert not unpickled
+
+
+def test_missing_weights_say_so(export, tiny_model_dir):
+    (export / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no model.safetensors; export the drafter again"):
+        load(export, tiny_model_dir)
+
+
+def test_a_config_that_lies_about_shapes_is_refused(export, tiny_model_dir):
+    edit_config(export, lambda c: c["transformer_layer_config"].update(
+        intermediate_size=2 * c["transformer_layer_config"]["intermediate_size"]))
+    with pytest.raises(ValueError, match="is corrupt or incomplete"):
+        load(export, tiny_model_dir)
+
+
+@pytest.mark.parametrize("layers, match", [([1, 7], r"layers \[7\] do not exist"),
+                                           ([0, 1], r"trained on layers \[1, 2\] \(specdraft.json\)")])
+def test_a_config_that_lies_about_layer_ids_is_refused(export, tiny_model_dir, layers, match):
+    """Read from the wrong layers a drafter still runs and only its acceptance collapses: refuse it up front."""
+    edit_config(export, lambda c: c.update(aux_hidden_state_layer_ids=layers))
+    with pytest.raises(ValueError, match=match):
+        load(export, tiny_model_dir)
+
+
+def test_a_folder_that_is_not_an_export_is_named(tmp_path, tiny_model_dir):
+    with pytest.raises(FileNotFoundError, match="is not a drafter export"):
+        load(tmp_path, tiny_model_dir)
