@@ -32,7 +32,7 @@ from specdraft.decode.sampling import Sampler  # noqa: E402
 from specdraft.decode.scheduler import build_scheduler  # noqa: E402
 
 
-BENCH_MODES = ("single", "sweep", "load", "calibrate")
+BENCH_MODES = ("single", "sweep", "load", "calibrate", "check")
 
 
 def run_bench(cfg: BenchConfig) -> dict:

@@ -7,6 +7,8 @@ load: closed-loop load at each concurrency C (C requests in flight, the next joi
 plain, fixed-length and load-scheduled batched decoding; per-request and total tokens/s, and a PNG.
 calibrate: held-out decoding at each temperature bucket; fits the confidence temperatures, stores
 them with the export, reports ECE/Brier/AUROC before and after, and draws a reliability diagram.
+check: an export loaded as a serving engine loads it, decoded greedily with every position verified, its tau
+held to what training measured on held-out data (the "fine in validation, tau near 1 when served" failure).
 """
 
 from __future__ import annotations
@@ -200,6 +202,45 @@ def plot_load(table: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+class CheckFailed(ValueError):
+    """bench.mode=check: the export accepts far less when served than training measured."""
+
+
+def run_check(bench) -> dict:
+    """Decode the prompts greedily with the export at its full block and compare tau with the training record.
+    The export is loaded through speculators' own loader (SpeculatorModel.from_pretrained, what vLLM reads)."""
+    from specdraft.models.export import training_record
+
+    cfg, proposer = bench.cfg, bench.proposer
+    if cfg.proposer.name != "drafter" or not cfg.proposer.path:
+        raise ValueError("bench.mode=check checks a drafter export: proposer=drafter proposer.path=EXPORT")
+    record = training_record(cfg.proposer.path)
+    block = proposer.max_draft or cfg.decode.num_draft
+    decoder = SpecDecoder(bench.target, proposer, FixedRule(), block, bench.backend)
+    gens = [decoder.run(ids, Sampler(), cfg.decode.max_new_tokens)
+            for ids in tqdm(bench.encoded, desc="check", mininterval=5)]
+    stats = acceptance_stats(gens)
+    expected = (record or {}).get("eval_tau_greedy")
+    floor = None if expected is None else 1 + cfg.bench.check_min_ratio * (expected - 1)
+    passed = None if floor is None else stats["tau"] >= floor
+    summary = {"mode": "check", "export": cfg.proposer.path, "loader": "speculators.SpeculatorModel.from_pretrained",
+               "tau": stats["tau"], "acceptance_by_position": stats["acceptance_by_position"], "block_size": block,
+               "num_prompts": len(gens), "training": record, "tau_floor": floor, "passed": passed,
+               "llama_cpp": "not checked (bash scripts/build_llama_cpp.sh builds the converter and engine)",
+               "config": _config(bench)}
+    _write(bench, "results.json", summary)
+    if passed is False:
+        raise CheckFailed(
+            f"the export accepts far less when served than in training: tau {stats['tau']:.2f} over {len(gens)} prompts "
+            f"(greedy, {block} drafted per step) against {expected:.2f} on training's held-out data (floor {floor:.2f} = "
+            f"1 + bench.check_min_ratio x {expected - 1:.2f}). It is read differently here than in training: a config.json "
+            f"edited or converted (layer ids, vocabulary mapping), another target, or prompts unlike its training data")
+    if passed is None:
+        print(f"bench.mode=check: {cfg.proposer.path} records no training tau (made elsewhere or before the record "
+              f"existed): served tau {stats['tau']:.2f}, nothing to compare it with")
+    return summary
 
 
 def run_calibrate(bench) -> dict:

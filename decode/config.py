@@ -75,7 +75,7 @@ class CalibrateSettings:
 
 @dataclass
 class BenchSettings:
-    mode: str = "single"  # single | sweep | load | calibrate
+    mode: str = "single"  # single | sweep | load | calibrate | check
     num_prompts: int | None = 10  # N prompts in file order (None: all)
     first_prompt: int = 0  # skip this many (calibrate on prompts the benchmark does not use)
     seed: int = 0
@@ -88,6 +88,9 @@ class BenchSettings:
     load_repeats: int = 1  # mode=load: runs of each method per concurrency, rotated; rates are their medians
     # mode=single/sweep: runs of every method per prompt, rotated; the fastest run is kept (seeds repeat)
     repeats: int = 1
+    # mode=check: fail when the export's served tau - 1 (tokens gained per step) is below this share of what
+    # training measured on held-out data (the export records it)
+    check_min_ratio: float = 0.5
 
 
 @dataclass

@@ -230,8 +230,10 @@ def distill(cfg: DistillConfig) -> dict | None:
     stage_seconds["train"] = time.perf_counter() - began
     began = time.perf_counter()
     with full_parameters(accelerator, drafter):
+        held_out = {"steps": summary["steps"], "eval_tau_greedy": summary.get("eval/tau_greedy"),
+                    "eval_tau_estimate": summary.get("eval/tau_estimate"), "block_size": cfg.drafter.block_size}
         export = save_drafter(run_dir / "export", drafter, layers, target.model, cfg.target.name_or_path,
-                              target.path) if main else None
+                              target.path, held_out) if main else None
     accelerator.wait_for_everyone()
     stage_seconds["export"] = time.perf_counter() - began
     results = None

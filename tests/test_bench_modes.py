@@ -91,3 +91,25 @@ def test_unknown_mode_and_missing_confidence_head_are_refused(tiny_model_dir, pr
     with pytest.raises(ValueError, match="confidence head"):  # a standalone LM drafts without confidences
         run_bench(config(tiny_model_dir, prompts_file, tmp_path, "proposer=model", "proposer.num_layers=1",
                          "scheduler=threshold", "bench.num_prompts=1"))
+
+
+def test_check_mode_holds_the_served_tau_to_the_training_record(tiny_model_dir, prompts_file, tmp_path, tiny_export):
+    """bench.mode=check loads the export as a serving engine would and fails loudly where it accepts far less
+    than training measured; without a record it reports the served tau and judges nothing."""
+    from specdraft.decode.bench_modes import CheckFailed
+
+    args = ("proposer=drafter", f"proposer.path={tiny_export}", "bench.mode=check")
+    summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path / "none", *args))
+    assert summary["passed"] is None and summary["training"] is None and summary["tau"] >= 1
+    assert summary["loader"] == "speculators.SpeculatorModel.from_pretrained"
+    sidecar = tiny_export / "specdraft.json"
+    saved = json.loads(sidecar.read_text())
+    for recorded, passes in ((summary["tau"], True), (summary["tau"] + 3.0, False)):
+        sidecar.write_text(json.dumps({**saved, "training": {"eval_tau_greedy": recorded, "steps": 10}}))
+        out = tmp_path / f"check-{passes}"
+        if passes:
+            assert run_bench(config(tiny_model_dir, prompts_file, out, *args))["passed"] is True
+        else:
+            with pytest.raises(CheckFailed, match=r"accepts far less when served than in training: tau"):
+                run_bench(config(tiny_model_dir, prompts_file, out, *args))
+            assert json.loads((out / "results.json").read_text())["passed"] is False  # written before failing

@@ -86,6 +86,8 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
     assert len((run_dir / "data" / "responses.jsonl").read_text().splitlines()) == 10  # 8 train + 2 eval
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported["speculators_model_type"] == drafter
+    record = json.loads((run_dir / "export" / "specdraft.json").read_text())["training"]  # bench.mode=check reads it
+    assert record["eval_tau_greedy"] == results["eval_tau_greedy"] and record["steps"] == results["train_steps"]
     # The export used with a different target is refused, naming both.
     from specdraft.models.export import load_drafter
     from specdraft.io.target import load_target

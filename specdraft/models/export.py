@@ -87,6 +87,13 @@ def check_weights(path: str | Path) -> list[Path]:
     return files
 
 
+def training_record(path: str | Path) -> dict | None:
+    """What training measured on held-out data, as the export recorded it (None: exports from elsewhere or
+    before the record existed)."""
+    sidecar = Path(path) / SIDECAR
+    return json.loads(sidecar.read_text()).get("training") if sidecar.is_file() else None
+
+
 def recorded_target(path: str | Path) -> str:
     """The target an export was distilled from, by the name its user gave (specdraft.json), else the verifier
     its speculators config.json names (a checkpoint made elsewhere)."""
@@ -118,9 +125,11 @@ def set_serving_verifier(path: str | Path, name_or_path: str) -> str:
     return previous
 
 
-def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_layers, target_model, target_name: str, verifier_path: str) -> Path:
+def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_layers, target_model, target_name: str,
+                 verifier_path: str, training: dict | None = None) -> Path:
     """Write the export atomically: speculators checkpoint + sidecar. verifier_path: the target's local folder
-    (a standalone drafter copies its tokenizer from there)."""
+    (a standalone drafter copies its tokenizer from there). training: what training measured on held-out data
+    (its greedy tau), kept so a serving-time check can compare (`bench.mode=check`)."""
 
     def write(tmp: Path) -> None:
         if not kind(drafter.mode).speculators:  # a plain HF model + the target's tokenizer
@@ -136,6 +145,8 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_l
             config["speculators_config"]["verifier"]["name_or_path"] = serving_name(target_name)
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         sidecar = {"target": target_signature(target_model, target_name), "feature_layers": list(feature_layers)}
+        if training:
+            sidecar["training"] = training
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2))
 
     return write_folder_atomically(out_dir, write)
