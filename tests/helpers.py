@@ -198,7 +198,9 @@ def fresh_drafter(target):
 
 
 def run(target, run_dir, **overrides):
-    cfg = TrainerConfig(steps=6, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=2, eval_every=3, **overrides)
+    settings = {"steps": 6, "batch_size": 2, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 2, "eval_every": 3,
+                **overrides}
+    cfg = TrainerConfig(**settings)
     drafter = fresh_drafter(target)
     summary = train(TrainJob(drafter, target, examples(), examples(2), (1, 2), 4, 0, run_dir), cfg,
                     TrackingConfig(wandb_mode="disabled"))
@@ -378,3 +380,45 @@ def serving(model_dir: str, **server):
         instance.should_exit = True
         thread.join(timeout=10)
         runtime.worker.stop()
+
+
+def killable_training(run_dir: str, out: str, kill: tuple[str, int] | None = None) -> None:
+    """The body of one training process of the kill-anywhere test (tests/test_kill_resume.py): `run()`'s tiny run
+    with a checkpoint after every step and resume=auto; at the end the final weights and the losses of the steps
+    this process ran go to `out` (.safetensors, .json). kill=(where, n) SIGKILLs the process itself: "step" inside
+    the loss's n-th call (training steps and held-out evaluation both compute it), "checkpoint" after step n's
+    checkpoint wrote its weights and before its meta.json."""
+    import json
+    import os
+    import signal
+
+    from safetensors.torch import save_file
+
+    from specdraft.train import checkpoint, trainer
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kill and kill[0] == "step":
+        real_step, calls = trainer.distill_step, []
+
+        def dying_step(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == kill[1]:
+                die()
+            return real_step(*args, **kwargs)
+
+        trainer.distill_step = dying_step
+    if kill and kill[0] == "checkpoint":
+        real_write = checkpoint.write_checkpoint_files
+
+        def dying_write(folder, step, weights, trainer_state, meta):
+            if step == kill[1]:
+                save_file(checkpoint.trainable_state(weights), str(folder / "drafter.safetensors"))
+                die()
+            return real_write(folder, step, weights, trainer_state, meta)
+
+        checkpoint.write_checkpoint_files = dying_write
+    drafter, summary = run(tiny_llama(0), run_dir, checkpoint_every=1)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, out + ".safetensors")
+    Path(out + ".json").write_text(json.dumps({"loss_history": summary["loss_history"], "steps": summary["steps"]}))
