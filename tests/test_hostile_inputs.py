@@ -80,3 +80,58 @@ def test_a_config_that_lies_about_layer_ids_is_refused(export, tiny_model_dir, l
 def test_a_folder_that_is_not_an_export_is_named(tmp_path, tiny_model_dir):
     with pytest.raises(FileNotFoundError, match="is not a drafter export"):
         load(tmp_path, tiny_model_dir)
+
+
+def test_a_disk_that_fills_during_a_checkpoint_keeps_the_last_one_and_resumes(tmp_path, monkeypatch):
+    """A write that fails mid-checkpoint (simulated ENOSPC after the weights file) leaves no part of that checkpoint,
+    says what is kept, and the same command goes on from there once there is room."""
+    import errno
+
+    from specdraft.train import checkpoint
+    from specdraft.train.checkpoint import CheckpointWriteError, latest_checkpoint
+    from tests.helpers import run, tiny_llama
+
+    target = tiny_llama(0)
+    _, reference = run(target, tmp_path / "reference")
+    real = checkpoint.write_checkpoint_files
+
+    def full_disk(folder, step, weights, trainer_state, meta):
+        if step == 4:
+            (folder / "drafter.safetensors").write_bytes(b"\0" * 1024)  # part of it made it to disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(folder, step, weights, trainer_state, meta)
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint_files", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"step-0000004 could not be written .*No space left on device.*"
+                                                   r"step-0000002, is kept.*trainer.resume=auto"):
+        run(target, tmp_path / "run")
+    assert latest_checkpoint(tmp_path / "run").name == "step-0000002"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-0000002"]  # nothing partial
+    monkeypatch.setattr(checkpoint, "write_checkpoint_files", real)
+    _, resumed = run(target, tmp_path / "run")
+    assert resumed["loss_history"] == reference["loss_history"][2:]
+
+
+@pytest.mark.parametrize("kind", ["under_a_file", "read_only"])
+def test_a_run_folder_that_cannot_be_written_is_refused_before_training(tmp_path, kind):
+    import os
+
+    from specdraft.train.checkpoint import CheckpointWriteError
+    from tests.helpers import run, tiny_llama
+
+    if kind == "under_a_file":  # a path through a file: no user can write there, root included
+        (tmp_path / "a-file").write_text("")
+        folder = tmp_path / "a-file" / "run"
+    else:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        os.chmod(folder, 0o500)
+        if os.access(folder, os.W_OK):
+            os.chmod(folder, 0o700)
+            pytest.skip("root writes anywhere: a read-only folder cannot be made (the under_a_file case runs)")
+    try:
+        with pytest.raises(CheckpointWriteError, match="cannot take checkpoints .*hydra.run.dir"):
+            run(tiny_llama(0), folder)
+    finally:
+        if kind == "read_only":
+            os.chmod(folder, 0o700)

@@ -61,10 +61,36 @@ def write_checkpoint_files(folder: Path, step: int, weights: dict, trainer_state
     (folder / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only folder); the run folder keeps the complete ones."""
+
+
 def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: dict) -> Path:
-    """Write checkpoints/step-NNNNNNN atomically; return its path."""
-    return write_folder_atomically(checkpoint_path(run_dir, step),
-                                   lambda tmp: write_checkpoint_files(tmp, step, model.state_dict(), trainer_state, meta))
+    """Write checkpoints/step-NNNNNNN atomically; return its path. A failed write leaves no part of it behind
+    and ends the run with an error that says what is kept and how to go on."""
+    try:
+        return write_folder_atomically(checkpoint_path(run_dir, step),
+                                       lambda tmp: write_checkpoint_files(tmp, step, model.state_dict(), trainer_state, meta))
+    except OSError as err:
+        kept = latest_checkpoint(run_dir)
+        raise CheckpointWriteError(
+            err.errno, f"checkpoint step-{step:07d} could not be written in {Path(run_dir) / 'checkpoints'} "
+            f"({err.strerror or err}); {'the newest complete one, ' + kept.name + ', is kept' if kept else 'no checkpoint is kept yet'}. "
+            "Free space (or make the folder writable) and run the same command again: trainer.resume=auto goes on "
+            "from the newest complete checkpoint") from None
+
+
+def ensure_writable(run_dir: Path) -> None:
+    """Fail before any work when the run folder cannot take checkpoints (read-only, not a folder)."""
+    folder = Path(run_dir) / "checkpoints"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointWriteError(err.errno, f"the run folder {run_dir} cannot take checkpoints ({err.strerror or err}); "
+                                   "choose a writable one (hydra.run.dir=DIR) before training starts") from None
 
 
 def complete_partial(run_dir: Path, step: int, weights: dict, trainer_state: dict, meta: dict) -> Path:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdraft.train.checkpoint import complete_partial, latest_checkpoint, load_checkpoint, partial_path, save_checkpoint
+from specdraft.train.checkpoint import (complete_partial, ensure_writable, latest_checkpoint, load_checkpoint, partial_path,
+                                        save_checkpoint)
 from specdraft.train.config import TrackingConfig, TrainerConfig
 from specdraft.train.distributed import is_deepspeed, make_accelerator
 from specdraft.train.signals import SignalCache, target_signals
@@ -320,6 +321,8 @@ def train(job: TrainJob, cfg: TrainerConfig, tracking: TrackingConfig, time_budg
     `eval_signals` feeds held-out evaluation (default: `signals`; the exact target when training on a lossy cache)."""
     accelerator = accelerator or make_accelerator(cfg)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    if accelerator.is_main_process and cfg.checkpoint_every and job.run_dir is not None:
+        ensure_writable(job.run_dir)  # a read-only folder fails here, not after the first steps' work
     loop = _set_up(job, cfg, accelerator)
     if signals is None:
         signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
