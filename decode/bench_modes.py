@@ -222,6 +222,9 @@ def run_check(bench) -> dict:
     gens = [decoder.run(ids, Sampler(), cfg.decode.max_new_tokens)
             for ids in tqdm(bench.encoded, desc="check", mininterval=5)]
     stats = acceptance_stats(gens)
+    if stats["tau"] is None:
+        raise ValueError(f"bench.mode=check verified nothing ({len(gens)} prompts ended at their first token); raise "
+                         "decode.max_new_tokens or give other prompts")
     expected = (record or {}).get("eval_tau_greedy")
     floor = None if expected is None else 1 + cfg.bench.check_min_ratio * (expected - 1)
     passed = None if floor is None else stats["tau"] >= floor

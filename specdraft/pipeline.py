@@ -30,7 +30,7 @@ from specdraft.io import assets
 from specdraft.io.config import TargetConfig
 from specdraft.io.data import source_modules
 from specdraft.io.target import choose_dtype, default_feature_layers, load_target, resolve_device, target_modules
-from specdraft.models.export import save_drafter
+from specdraft.models.export import save_drafter, training_record
 from specdraft.models.registry import kind
 from specdraft.train.config import DrafterConfig, FeatureCacheConfig, TrackingConfig, TrainDataConfig, TrainerConfig
 from specdraft.train.distill import build_drafter, feature_cache, fit_feature_scale, prepare_examples
@@ -232,6 +232,8 @@ def distill(cfg: DistillConfig) -> dict | None:
     with full_parameters(accelerator, drafter):
         held_out = {"steps": summary["steps"], "eval_tau_greedy": summary.get("eval/tau_greedy"),
                     "eval_tau_estimate": summary.get("eval/tau_estimate"), "block_size": cfg.drafter.block_size}
+        if held_out["eval_tau_greedy"] is None:  # a rerun after training had finished evaluates nothing: keep the record
+            held_out = training_record(run_dir / "export") or held_out
         export = save_drafter(run_dir / "export", drafter, layers, target.model, cfg.target.name_or_path,
                               target.path, held_out) if main else None
     accelerator.wait_for_everyone()

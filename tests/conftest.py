@@ -11,6 +11,9 @@ from tests.helpers import save_tiny_model, tiny_llama
 
 # Tiny models run fastest on one thread, and CI shares the machine with nothing else to use.
 torch.set_num_threads(1)
+# No tqdm monitor thread: tests fork training processes (tests/test_kill_resume.py), and a fork while that thread
+# held tqdm's lock would leave the child waiting on it.
+__import__("tqdm").tqdm.monitor_interval = 0
 
 # Fuzzing profiles (tests/test_fuzz.py): `ci` is the default run's bounded, reproducible one; `long` is on demand
 # (HYPOTHESIS_PROFILE=long), with fresh randomness each run.

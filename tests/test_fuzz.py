@@ -28,7 +28,9 @@ from specdraft.models.drafter import BlockDrafter
 from tests.helpers import hf_greedy, synthetic_profile, tiny_llama
 
 VOCAB = 48
-PROPOSERS = ("none", "ngram", "model", "dspark", "dflash", "dspark_reduced", "hybrid")
+# "self": the target drafting for itself (ModelProposer on the target): at T=0 every drafted token is accepted,
+# so long accepted runs, and EOS inside an accepted draft, happen often (random drafters rarely get accepted).
+PROPOSERS = ("none", "ngram", "model", "self", "dspark", "dflash", "dspark_reduced", "hybrid")
 RULES = ("fixed", "threshold", "cost")
 
 
@@ -57,6 +59,8 @@ def make_proposer(name: str, seed: int, max_ngram: int):
         return NgramProposer(max_ngram, share_stats=False)
     if name == "model":
         return ModelProposer(small)
+    if name == "self":
+        return ModelProposer(target)
     if name == "hybrid":
         return HybridProposer(NgramProposer(max_ngram, share_stats=False), BlockDrafterProposer(drafters["dspark"], (0, 1)))
     return BlockDrafterProposer(drafters[name], (0, 1))
@@ -81,8 +85,22 @@ case = st.fixed_dictionaries({
     "max_ngram": st.integers(1, 3),
     "num_draft": st.integers(1, 4),
     "backend": st.sampled_from(("hf", "fast")),
-    "eos": st.one_of(st.none(), tokens),
+    # EOS: none, or the target's own k-th greedy token after the prompt (so it is generated, often inside a
+    # drafted block), or an arbitrary token
+    "eos": st.one_of(st.none(), st.integers(0, 20).map(lambda k: ("own", k)), tokens),
 })
+
+
+def eos_for(case, target, prompt) -> list[int]:
+    """The case's EOS ids: [] or one token; ("own", k) picks the target's k-th greedy token for this prompt."""
+    eos = case["eos"]
+    if eos is None:
+        return []
+    if isinstance(eos, tuple):
+        own = hf_greedy(target, prompt, eos[1] + 1)
+        event("eos: in the output")
+        return [own[min(eos[1], len(own) - 1)]]
+    return [eos]
 
 
 def _num_draft(proposer, wanted: int) -> int:
@@ -97,12 +115,14 @@ def test_greedy_output_equals_target_only_decoding(case, prompt, max_new):
     target, fast, _, _ = world(case["seed"])
     proposer = make_proposer(case["proposer"], case["seed"], case["max_ngram"])
     rule = make_rule(case["rule"], proposer, case["threshold"])
-    eos = [] if case["eos"] is None else [case["eos"]]
+    eos = eos_for(case, target, prompt)
     model = fast if case["backend"] == "fast" else target
     session = CausalSession(model, proposer.feature_layers)
     config = GenerateConfig(Sampler(), max_new, _num_draft(proposer, case["num_draft"]), eos, rule)
-    got = speculative_generate(session, prompt, proposer, config).output_ids
-    assert got == hf_greedy(target, prompt, max_new, eos or None), case
+    result = speculative_generate(session, prompt, proposer, config)
+    if any(result.accepted):
+        event("drafted tokens accepted")
+    assert result.output_ids == hf_greedy(target, prompt, max_new, eos or None), case
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
@@ -113,7 +133,7 @@ def test_batched_engine_gives_every_request_its_batch1_output(case, requests, co
     target, fast, _, _ = world(case["seed"])
     proposer = make_proposer(case["proposer"], case["seed"], case["max_ngram"])
     rule = make_rule(case["rule"], proposer, case["threshold"])
-    eos = [] if case["eos"] is None else [case["eos"]]
+    eos = eos_for(case, target, requests[0][0])
     model = fast if case["backend"] == "fast" else target
     num_draft = _num_draft(proposer, case["num_draft"])
     sampler = Sampler(temperature)

@@ -83,31 +83,30 @@ def test_a_folder_that_is_not_an_export_is_named(tmp_path, tiny_model_dir):
 
 
 def test_a_disk_that_fills_during_a_checkpoint_keeps_the_last_one_and_resumes(tmp_path, monkeypatch):
-    """A write that fails mid-checkpoint (simulated ENOSPC after the weights file) leaves no part of that checkpoint,
+    """A write that fails mid-checkpoint (ENOSPC from the file write, after the weights file) leaves no part of it,
     says what is kept, and the same command goes on from there once there is room."""
     import errno
 
-    from specdraft.train import checkpoint
     from specdraft.train.checkpoint import CheckpointWriteError, latest_checkpoint
     from tests.helpers import run, tiny_llama
 
     target = tiny_llama(0)
     _, reference = run(target, tmp_path / "reference")
-    real = checkpoint.write_checkpoint_files
+    real = Path.write_bytes
 
-    def full_disk(folder, step, weights, trainer_state, meta):
-        if step == 4:
-            (folder / "drafter.safetensors").write_bytes(b"\0" * 1024)  # part of it made it to disk
+    def full_disk(self, data):  # the disk fills while step 4's trainer state is written: half of it lands
+        if self.name == "trainer_state.pt" and self.parent.name.startswith(".step-0000004-"):
+            real(self, data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(folder, step, weights, trainer_state, meta)
+        return real(self, data)
 
-    monkeypatch.setattr(checkpoint, "write_checkpoint_files", full_disk)
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"step-0000004 could not be written .*No space left on device.*"
                                                    r"step-0000002, is kept.*trainer.resume=auto"):
         run(target, tmp_path / "run")
     assert latest_checkpoint(tmp_path / "run").name == "step-0000002"
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-0000002"]  # nothing partial
-    monkeypatch.setattr(checkpoint, "write_checkpoint_files", real)
+    monkeypatch.setattr(Path, "write_bytes", real)
     _, resumed = run(target, tmp_path / "run")
     assert resumed["loss_history"] == reference["loss_history"][2:]
 
@@ -135,3 +134,23 @@ def test_a_run_folder_that_cannot_be_written_is_refused_before_training(tmp_path
     finally:
         if kind == "read_only":
             os.chmod(folder, 0o700)
+
+
+def test_sharded_index_rules_follow_transformers(export, tiny_model_dir):
+    """The single file wins over an index (transformers' order); a broken or empty index without it is named;
+    trainer files beside the weights are not taken for pickle weights."""
+    (export / "model.safetensors.index.json").write_text("[1, 2]")  # stale and malformed, but the single file is there
+    (export / "training_args.bin").write_bytes(b"\x80\x04not read")
+    assert load(export, tiny_model_dir).feature_layers == (1, 2)
+    weights = (export / "model.safetensors").read_bytes()
+    (export / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        load(export, tiny_model_dir)
+    (export / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(ValueError, match="lists no weight files"):
+        load(export, tiny_model_dir)
+    (export / "shard-1.safetensors").write_bytes(weights)
+    (export / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "shard-1.safetensors",
+                                                                                   "y": "shard-2.safetensors"}}))
+    with pytest.raises(ValueError, match="has no shard-2.safetensors"):
+        load(export, tiny_model_dir)

@@ -13,13 +13,15 @@ pickle, so they are only ever loaded from a folder that carries our `meta.json` 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from specdraft.io.files import write_folder_atomically
 
@@ -55,14 +57,21 @@ def partial_path(run_dir: Path, step: int) -> Path:
 
 
 def write_checkpoint_files(folder: Path, step: int, weights: dict, trainer_state: dict, meta: dict) -> None:
-    """Our files of a checkpoint (`weights`: the drafter's state dict); meta.json last, it marks the folder complete."""
-    save_file(trainable_state(weights), str(folder / "drafter.safetensors"))
-    torch.save(trainer_state, folder / "trainer_state.pt")
+    """Our files of a checkpoint (`weights`: the drafter's state dict); meta.json last, it marks the folder complete.
+    Each file is built in memory and written with one plain write, so a failing disk raises OSError (safetensors
+    and torch.save raise their own types when the disk fails under them)."""
+    (folder / "drafter.safetensors").write_bytes(safetensors_bytes(trainable_state(weights)))
+    state = io.BytesIO()
+    torch.save(trainer_state, state)
+    (folder / "trainer_state.pt").write_bytes(state.getvalue())
     (folder / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=2))
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a read-only folder); the run folder keeps the complete ones."""
+
+    def __init__(self, error: OSError, message: str):
+        super().__init__(*((error.errno, message) if error.errno is not None else (message,)))
 
 
 def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: dict) -> Path:
@@ -74,7 +83,7 @@ def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: 
     except OSError as err:
         kept = latest_checkpoint(run_dir)
         raise CheckpointWriteError(
-            err.errno, f"checkpoint step-{step:07d} could not be written in {Path(run_dir) / 'checkpoints'} "
+            err, f"checkpoint step-{step:07d} could not be written in {Path(run_dir) / 'checkpoints'} "
             f"({err.strerror or err}); {'the newest complete one, ' + kept.name + ', is kept' if kept else 'no checkpoint is kept yet'}. "
             "Free space (or make the folder writable) and run the same command again: trainer.resume=auto goes on "
             "from the newest complete checkpoint") from None
@@ -89,7 +98,7 @@ def ensure_writable(run_dir: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise CheckpointWriteError(err.errno, f"the run folder {run_dir} cannot take checkpoints ({err.strerror or err}); "
+        raise CheckpointWriteError(err, f"the run folder {run_dir} cannot take checkpoints ({err.strerror or err}); "
                                    "choose a writable one (hydra.run.dir=DIR) before training starts") from None
 
 

@@ -321,8 +321,10 @@ def train(job: TrainJob, cfg: TrainerConfig, tracking: TrackingConfig, time_budg
     `eval_signals` feeds held-out evaluation (default: `signals`; the exact target when training on a lossy cache)."""
     accelerator = accelerator or make_accelerator(cfg)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    if accelerator.is_main_process and cfg.checkpoint_every and job.run_dir is not None:
-        ensure_writable(job.run_dir)  # a read-only folder fails here, not after the first steps' work
+    if cfg.checkpoint_every and job.run_dir is not None:
+        # every rank (one failing alone would leave the others waiting in the set-up's collectives): a read-only
+        # folder fails here, not after the first steps' work
+        ensure_writable(job.run_dir)
     loop = _set_up(job, cfg, accelerator)
     if signals is None:
         signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals

@@ -60,17 +60,19 @@ def check_weights(path: str | Path) -> list[Path]:
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    files = [single]
+    if not single.is_file() and index.is_file():  # transformers' order: the single file first, then the index
         try:
             files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{index} is not a safetensors index ({type(err).__name__}: {err})") from None
-    else:
-        files = [path / "model.safetensors"]
+        if not files:
+            raise ValueError(f"{index} lists no weight files; export the drafter again")
     for file in files:
         if not file.is_file():
-            pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            pickles = sorted(p.name for p in path.iterdir()  # weight files by their usual names, not trainer state
+                             if p.suffix in PICKLE_SUFFIXES and p.name.startswith(("pytorch_model", "model", "drafter")))
             if pickles:
                 raise ValueError(f"drafter export {path} holds pickle weights ({', '.join(pickles)}) and no {file.name}; "
                                  "specdraft loads weights only from safetensors and never unpickles them: convert them "
