@@ -24,9 +24,7 @@ from specdraft.train.distributed import full_parameters, make_accelerator, shutd
 
 
 def record_writes(run_dir: Path, log: list) -> None:
-    """Log every file this process writes under run_dir (torch.save, safetensors, write_text)."""
-    import specdraft.train.checkpoint as checkpoint
-
+    """Log every file this process writes under run_dir (torch.save, write_bytes: our checkpoint files, write_text)."""
     def wrap(fn, path_arg):
         def inner(*args, **kwargs):
             path = Path(str(args[path_arg])).resolve()
@@ -36,7 +34,7 @@ def record_writes(run_dir: Path, log: list) -> None:
         return inner
 
     torch.save = wrap(torch.save, 1)
-    checkpoint.save_file = wrap(checkpoint.save_file, 1)
+    Path.write_bytes = wrap(Path.write_bytes, 0)
     Path.write_text = wrap(Path.write_text, 0)
 
 

@@ -20,9 +20,15 @@ from tests.helpers import killable_training
 STEPS = 6
 
 
+# forkserver: children fork from a fresh server process that imported torch and the helpers once, so a kill costs
+# no import (a spawn would spend seconds each), and no lock held by a thread of the pytest process (earlier
+# tests leave threads behind) can be inherited locked, as a plain fork from pytest could.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["tests.helpers"])
+
+
 def process(run_dir: Path, out: Path, kill=None):
-    # fork: the child starts with torch imported (a spawn would spend seconds per kill importing it again)
-    child = multiprocessing.get_context("fork").Process(target=killable_training, args=(str(run_dir), str(out), kill))
+    child = CONTEXT.Process(target=killable_training, args=(str(run_dir), str(out), kill))
     child.start()
     return child
 

@@ -89,14 +89,20 @@ def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, meta: 
             "from the newest complete checkpoint") from None
 
 
-def ensure_writable(run_dir: Path) -> None:
-    """Fail before any work when the run folder cannot take checkpoints (read-only, not a folder)."""
+def ensure_writable(run_dir: Path, probe: bool = True) -> None:
+    """Fail before any work when the run folder cannot take checkpoints (read-only, not a folder). probe=False
+    (ranks other than 0, which write nothing there): the permission check alone, no file written."""
     folder = Path(run_dir) / "checkpoints"
     try:
+        if not probe:
+            existing = next(p for p in (folder, *folder.parents) if p.exists())
+            if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not a writable folder", str(existing))
+            return
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        marker = folder / f".write-probe-{os.getpid()}"
+        marker.write_text("")
+        marker.unlink()
     except OSError as err:
         raise CheckpointWriteError(err, f"the run folder {run_dir} cannot take checkpoints ({err.strerror or err}); "
                                    "choose a writable one (hydra.run.dir=DIR) before training starts") from None

@@ -324,7 +324,7 @@ def train(job: TrainJob, cfg: TrainerConfig, tracking: TrackingConfig, time_budg
     if cfg.checkpoint_every and job.run_dir is not None:
         # every rank (one failing alone would leave the others waiting in the set-up's collectives): a read-only
         # folder fails here, not after the first steps' work
-        ensure_writable(job.run_dir)
+        ensure_writable(job.run_dir, probe=accelerator.is_main_process)
     loop = _set_up(job, cfg, accelerator)
     if signals is None:
         signals = SignalCache(cfg.cache_target_gb * 2**30) if cfg.cache_target_gb > 0 else target_signals
