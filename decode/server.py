@@ -341,16 +341,17 @@ async def _sse(http: HTTPRequest, runtime: Runtime, job: Job, kind: str, ident: 
     cancels this generator; `finally` frees its slot in the engine."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+    def event(choices: list, **extra) -> str:
+        data = {"id": ident, "object": obj, "created": created, "model": runtime.model_name, **extra, "choices": choices}
+        return f"data: {json.dumps(data)}\n\n"
+
+    def chunk(delta: str | None, finish: str | None = None, first: bool = False, **extra) -> str:
         if kind == "chat":
             content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
             choice = {"index": 0, "delta": content, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        data = {"id": ident, "object": obj, "created": created, "model": runtime.model_name, "choices": [choice]}
-        if include_usage:
-            data["usage"] = None
-        return f"data: {json.dumps(data)}\n\n"
+        return event([choice], **extra, **({"usage": None} if include_usage else {}))
 
     try:
         if kind == "chat":
@@ -366,12 +367,9 @@ async def _sse(http: HTTPRequest, runtime: Runtime, job: Job, kind: str, ident: 
                 return
             else:
                 break
-        last = chunk(None, job.finish_reason)
-        yield last.replace('"choices"', f'"specdraft": {{"arm": "{job.arm}"}}, "choices"', 1)  # which A/B arm served it
+        yield chunk(None, job.finish_reason, specdraft={"arm": job.arm})  # which A/B arm served it
         if include_usage:
-            usage = {"id": ident, "object": obj, "created": created, "model": runtime.model_name, "choices": [],
-                     "usage": _usage(job)}
-            yield f"data: {json.dumps(usage)}\n\n"
+            yield event([], usage=_usage(job))
         yield "data: [DONE]\n\n"
     finally:
         runtime.worker.cancel(job)
