@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from specdraft import conf_dir  # noqa: E402
-from specdraft.decode.bench_setup import (atomic_write, hf_generate, repeat_report, run_interleaved, setup_bench,  # noqa: E402
-                                          target_report)
+from specdraft.decode.bench_setup import (atomic_write, hf_generate, memory_report, repeat_report, run_interleaved,  # noqa: E402
+                                          setup_bench, target_report)
 from specdraft.decode.config import BenchConfig, register_configs  # noqa: E402
 from specdraft.decode.decoder import SpecDecoder  # noqa: E402
 from specdraft.decode.generate import Generation  # noqa: E402
@@ -81,6 +81,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     results = run_interleaved(kinds, run, encoded, cfg.bench.repeats)
     summary = summarize(cfg, sampler, target, results, bench.baseline_name)
     summary.update(target_report(bench))
+    summary["memory_bytes"] = memory_report(bench)
     summary["calibration"] = bench.calibration
     summary["profile"] = profile_info
     summary.update(repeat_report(cfg, results))

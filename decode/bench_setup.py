@@ -126,7 +126,8 @@ def setup_bench(cfg: BenchConfig, sampler: Sampler | None = None) -> BenchSetup:
     modules = target_modules(cfg.target.name_or_path) + source_modules(cfg.data.name, cfg.data.path)
     assets.ensure(modules + proposer_modules(cfg.proposer.name), "specdraft-bench")
     sampler = sampler or Sampler(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p)
-    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt, cfg.data.categories)
+    prompts = load_prompts(cfg.data.name, cfg.data.path, cfg.bench.num_prompts, cfg.bench.first_prompt, cfg.data.categories,
+                           cfg.bench.spread)
     if not prompts:
         raise ValueError(f"no prompts: data={cfg.data.name} from index {cfg.bench.first_prompt} is empty")
     target = load_target(cfg.target.name_or_path, cfg.target.dtype, cfg.target.threads, cfg.target.device)
@@ -157,6 +158,16 @@ def target_report(bench: BenchSetup) -> dict:
     return {"target_dtype": {"dtype": str(bench.target.dtype).replace("torch.", ""), "requested": bench.cfg.target.dtype,
                              "reason": bench.target.dtype_reason},
             "target_backend": {"requested": bench.cfg.target.backend, **bench.backend.describe()}}
+
+
+def memory_report(bench: BenchSetup) -> dict:
+    """Bytes by part (decode/memory.py): the weights each holds, and the target's KV cache at the longest
+    sequence of this run (prompt plus decode.max_new_tokens), computed from the target's geometry."""
+    from specdraft.decode.memory import kv_cache_bytes, weights_by_part
+
+    longest = max(len(ids) for ids in bench.encoded) + bench.cfg.decode.max_new_tokens
+    return {**weights_by_part(bench.target, bench.backend, bench.proposer),
+            "kv_cache": kv_cache_bytes(bench.target.model.config, longest, bench.target.dtype)}
 
 
 def run_interleaved(kinds: list[str], run, encoded: list[list[int]], repeats: int = 1) -> dict[str, list[Generation]]:

@@ -78,6 +78,7 @@ class BenchSettings:
     mode: str = "single"  # single | sweep | load | calibrate | check
     num_prompts: int | None = 10  # N prompts in file order (None: all)
     first_prompt: int = 0  # skip this many (calibrate on prompts the benchmark does not use)
+    spread: bool = False  # take the N prompts evenly spaced over the source (every category of MT-bench), not the first N
     seed: int = 0
     baselines: bool = True  # also run HF generate and HF's own speculative baseline per prompt
     # Confidence calibration of a dspark export: auto = EXPORT/calibration.json when present; none; or a file.

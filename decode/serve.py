@@ -27,6 +27,7 @@ from specdraft.decode.bench_setup import with_verifier  # noqa: E402
 from specdraft.decode.config import ServeConfig, register_configs  # noqa: E402
 from specdraft.decode.engine import BatchEngine, LoadPolicy  # noqa: E402
 from specdraft.decode.factory import attach_calibration, make_proposer, proposer_modules  # noqa: E402
+from specdraft.decode.memory import weights_by_part  # noqa: E402
 from specdraft.decode.sampling import Sampler  # noqa: E402
 from specdraft.decode.scheduler import build_scheduler  # noqa: E402
 from specdraft.decode.server import Runtime, make_app  # noqa: E402
@@ -34,29 +35,6 @@ from specdraft.decode.server_metrics import ServerMetrics  # noqa: E402
 from specdraft.decode.serve_worker import EngineWorker  # noqa: E402
 from specdraft.io import assets  # noqa: E402
 from specdraft.io.target import eos_ids, load_target, target_modules  # noqa: E402
-
-
-def module_bytes(*objects) -> int:
-    """Bytes of the distinct parameters and buffers of the torch modules held by `objects` (two levels of
-    attributes deep: a proposer's drafter, a hybrid's parts), each tensor counted once."""
-    import torch
-
-    seen, total = set(), 0
-
-    def visit(obj, depth):
-        nonlocal total
-        if isinstance(obj, torch.nn.Module):
-            for tensor in list(obj.parameters()) + list(obj.buffers()):
-                if tensor.data_ptr() not in seen:
-                    seen.add(tensor.data_ptr())
-                    total += tensor.numel() * tensor.element_size()
-        elif depth and hasattr(obj, "__dict__"):
-            for value in vars(obj).values():
-                visit(value, depth - 1)
-
-    for obj in objects:
-        visit(obj, 2)
-    return total
 
 
 def build_runtime(cfg: ServeConfig, log=print) -> Runtime:
@@ -93,10 +71,8 @@ def build_runtime(cfg: ServeConfig, log=print) -> Runtime:
                            server.max_concurrency, pad)
 
     metrics = ServerMetrics()
-    target_bytes = module_bytes(target.model)
-    metrics.set_memory("target_weights", target_bytes)
-    metrics.set_memory("fast_backend_weights", getattr(backend, "packed_bytes", lambda: 0)())
-    metrics.set_memory("drafter_weights", module_bytes(proposer) - (target_bytes if _shares(proposer, target) else 0))
+    for part, size in weights_by_part(target, backend, proposer).items():
+        metrics.set_memory(part, size)
     metrics.set_memory("kv_cache", 0)
     worker = EngineWorker(make_engine, metrics, server.max_queue, set(stop), log)
     worker.start()
@@ -104,11 +80,6 @@ def build_runtime(cfg: ServeConfig, log=print) -> Runtime:
     name = server.model_name or cfg.target.name_or_path
     return Runtime(cfg, target.tokenizer, name, window, worker, metrics, int(time.time()), random.Random(server.ab_seed),
                    target.model.device)
-
-
-def _shares(proposer, target) -> bool:
-    """proposer=model without a path drafts with the target itself: its weights are not a second copy."""
-    return getattr(proposer, "model", None) is target.model
 
 
 def summary_line(runtime: Runtime) -> str:

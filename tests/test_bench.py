@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoConfig
 
 from specdraft.decode.bench import run_bench
+from specdraft.decode.memory import kv_cache_bytes
 from tests.helpers import bench_config, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +41,13 @@ def test_bench_writes_contract(tiny_model_dir, prompts_file, tmp_path, proposer)
                                        "reason": "target.dtype=float32 as configured"}
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [s["id"] for s in samples] == ["a", "prompts-2"]
+    memory = results["memory_bytes"]
+    assert memory.keys() == {"target_weights", "fast_backend_weights", "drafter_weights", "kv_cache"}
+    # ngram holds no weights; a one-layer copy of the two-layer target holds its own, fewer than the target's
+    assert (memory["drafter_weights"] == 0) == (proposer == ["proposer=ngram"])
+    assert memory["drafter_weights"] < memory["target_weights"]
+    longest = max(len(s["prompt_token_ids"]) for s in samples) + 12
+    assert memory["kv_cache"] == kv_cache_bytes(AutoConfig.from_pretrained(tiny_model_dir), longest, torch.float32)
     for sample in samples:
         assert {"id", "prompt", "prompt_token_ids", "output_token_ids", "output_text"} <= sample.keys()
         assert 1 <= len(sample["output_token_ids"]) <= 12
@@ -132,3 +142,24 @@ def test_proposer_verifier_picks_the_target_an_export_is_verified_with(tiny_mode
         run_bench(run)
     with pytest.raises(ValueError, match="applies to a drafter export"):
         with_verifier(bench_config(["proposer=ngram", "proposer.verifier=export", f"out_dir={tmp_path}"]))
+
+
+def test_kv_cache_bytes_are_what_the_hf_cache_holds():
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(0)
+    with torch.no_grad():
+        cache = model(torch.arange(11)[None], use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_cache_bytes(model.config, 11, torch.float32) == held
+
+
+def test_spread_prompts_cover_every_mt_bench_category():
+    from collections import Counter
+
+    from specdraft.io.data import load_prompts
+
+    first, spread = load_prompts("mtbench", num_prompts=16), load_prompts("mtbench", num_prompts=16, spread=True)
+    assert len(Counter(p["category"] for p in first)) < 8  # the file is sorted by category
+    assert Counter(p["category"] for p in spread) == {c: 2 for c in {p["category"] for p in load_prompts("mtbench")}}
+    assert load_prompts("mtbench", num_prompts=500, spread=True) == load_prompts("mtbench")

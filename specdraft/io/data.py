@@ -107,9 +107,11 @@ def read_jsonl_prompts(path: str | Path) -> list[dict]:
 
 
 def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None, first: int = 0,
-                 categories: list[str] | None = None) -> list[dict]:
+                 categories: list[str] | None = None, spread: bool = False) -> list[dict]:
     """Benchmark prompts `[{id, prompt}]` from a named source: `num_prompts` in file order from index `first`,
-    of the given `categories` only (prompts that carry one: MT-bench's, or a jsonl's "category" field)."""
+    of the given `categories` only (prompts that carry one: MT-bench's, or a jsonl's "category" field); with
+    `spread`, `num_prompts` evenly spaced over what remains instead of the first ones (MT-bench is sorted by
+    category: its first 10 prompts are all writing)."""
     if source == "mtbench":
         prompts = _mtbench_prompts()
     elif source == "sharegpt_heldout":
@@ -127,7 +129,11 @@ def load_prompts(source: str, path: str | None = None, num_prompts: int | None =
             raise ValueError(f"data.categories {unknown} do not occur in data={source}; its categories are {known}")
         prompts = [p for p in prompts if p.get("category") in set(categories)]
     prompts = prompts[first:]
-    return prompts if num_prompts is None else prompts[:num_prompts]
+    if num_prompts is None or num_prompts >= len(prompts):
+        return prompts
+    if spread:
+        return [prompts[i * len(prompts) // num_prompts] for i in range(num_prompts)]
+    return prompts[:num_prompts]
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
