@@ -231,9 +231,12 @@ def run_check(bench) -> dict:
     summary = {"mode": "check", "export": cfg.proposer.path, "loader": "speculators.SpeculatorModel.from_pretrained",
                "tau": stats["tau"], "acceptance_by_position": stats["acceptance_by_position"], "block_size": block,
                "num_prompts": len(gens), "training": record, "tau_floor": floor, "passed": passed,
-               "llama_cpp": "not checked (bash scripts/build_llama_cpp.sh builds the converter and engine)",
+               "llama_cpp": llama_cpp_check(bench, block, gens) if cfg.bench.check_llama_cpp else {"status": "off"},
                "config": _config(bench)}
     _write(bench, "results.json", summary)
+    engine = summary["llama_cpp"]
+    if engine.get("passed") is False:
+        raise CheckFailed(f"llama.cpp serves the export worse than our engine does: {engine['status']}")
     if passed is False:
         raise CheckFailed(
             f"the export accepts far less when served than in training: tau {stats['tau']:.2f} over {len(gens)} prompts "
@@ -244,6 +247,52 @@ def run_check(bench) -> dict:
         print(f"bench.mode=check: {cfg.proposer.path} records no training tau (made elsewhere or before the record "
               f"existed): served tau {stats['tau']:.2f}, nothing to compare it with")
     return summary
+
+
+LLAMA_SPEC_TYPES = {"dspark": "draft-dspark", "dflash": "draft-dflash", "eagle3": "draft-eagle3"}
+
+
+def llama_cpp_check(bench, block: int, ours: list) -> dict:
+    """The export as llama.cpp serves it: converted by llama.cpp's own converter, decoded greedily by
+    llama-speculative-simple on the same prompts at the same draft length. Its acceptance (accepted / drafted)
+    is held to bench.check_min_ratio of ours: llama.cpp computes a quantized target with other kernels, so the
+    rates differ a little, while a conversion that misreads the export (layer ids, vocabulary) accepts ~0."""
+    from specdraft.decode import llama_cpp
+    from specdraft.io.target import _gguf_file, resolve_target_path
+
+    cfg = bench.cfg
+    binaries = llama_cpp.bin_dir()
+    if binaries is None:
+        return {"status": "not built (bash scripts/build_llama_cpp.sh builds llama.cpp and its converter)",
+                "passed": None}
+    mode = json.loads((Path(cfg.proposer.path) / "config.json").read_text()).get("speculators_model_type")
+    if mode not in LLAMA_SPEC_TYPES:
+        return {"status": f"not applicable: llama.cpp has no draft type for a {mode!r} export", "passed": None}
+    out = Path(cfg.out_dir) / "llama_cpp"
+    target_dir = resolve_target_path(cfg.target.name_or_path)
+    try:  # the embedded target's own GGUF (its weights are what training saw, dequantized); else the HF folder's
+        target_gguf = _gguf_file(cfg.target.name_or_path)
+    except (KeyError, ValueError, FileNotFoundError):
+        target_gguf = llama_cpp.convert_to_gguf(target_dir, out / "target.gguf")
+    command = ["-m", str(target_gguf), "-n", str(cfg.decode.max_new_tokens), "--temp", "0", "-c", "4096",
+               "-t", str(torch.get_num_threads()), "--spec-type", LLAMA_SPEC_TYPES[mode], "--spec-draft-n-max", str(block)]
+    try:
+        draft_gguf = llama_cpp.convert_to_gguf(cfg.proposer.path, out / "draft.gguf", target_dir)
+        command[2:2] = ["-md", str(draft_gguf)]
+        texts = [bench.target.tokenizer.decode(ids) for ids in bench.encoded]  # the chat-formatted prompts
+        total = sum((llama_cpp.speculative_simple(binaries, command, text) for text in texts), llama_cpp.SpeculativeRun())
+    except RuntimeError as error:
+        return {"status": f"failed: {error}", "passed": False}
+    rate = total.accepted / total.drafted if total.drafted else None
+    our_rate = sum(a for g in ours for a in g.accepted) / max(1, sum(d for g in ours for d in g.drafted))
+    floor = cfg.bench.check_min_ratio * our_rate
+    passed = rate is not None and rate >= floor
+    return {"status": (f"acceptance {rate if rate is not None else 0:.3f} (accepted {total.accepted} of "
+                       f"{total.drafted} drafted) against ours {our_rate:.3f}, floor {floor:.3f}"),
+            "passed": passed, "acceptance": rate, "our_acceptance": our_rate, "drafted": total.drafted,
+            "accepted": total.accepted, "decoded": total.decoded,
+            "decode_tokens_per_s": total.decoded / total.decode_s if total.decode_s else None,
+            "command": " ".join(["llama-speculative-simple", *command, "-p", "PROMPT"])}
 
 
 def run_calibrate(bench) -> dict:

@@ -92,6 +92,9 @@ class BenchSettings:
     # mode=check: fail when the export's served tau - 1 (tokens gained per step) is below this share of what
     # training measured on held-out data (the export records it)
     check_min_ratio: float = 0.5
+    # mode=check: also serve the export with llama.cpp (its converter, then llama-speculative-simple) where
+    # scripts/build_llama_cpp.sh built it; fail when it accepts below check_min_ratio of what our engine accepts
+    check_llama_cpp: bool = True
 
 
 @dataclass

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,16 +29,7 @@ sys.path[0] = str(REPO)
 
 import torch  # noqa: E402
 
-LLAMA_VERSION = "0.3.36"
-
-
-def llama_bin_dir() -> Path | None:
-    """The folder of scripts/build_llama_cpp.sh's binaries, or None where they were not built."""
-    cache = Path(os.environ.get("SPECDRAFT_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdraft"))
-    folder = cache / f"llama.cpp-{LLAMA_VERSION}" / "build" / "bin"
-    needed = ("llama-speculative-simple", "llama-bench")
-    return folder if all((folder / name).is_file() for name in needed) else None
-
+from specdraft.decode import llama_cpp  # noqa: E402
 
 def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[dict, dict]:
     """name -> run(index, ids) for every Python method, and name -> how it was configured."""
@@ -137,28 +126,16 @@ def llama_rows(args, texts: list[str], bin_dir: Path | None) -> dict:
               "--spec-ngram-simple-size-m", str(args.num_draft), "--spec-draft-n-max", str(args.num_draft)]
     rows = {}
     for name, extra in (("llama_cpp_plain", ["--spec-type", "none"]), ("llama_cpp_ngram", lookup)):
-        encode_s = decode_s = 0.0
-        encoded = decoded = drafted = accepted = 0
-        for text in texts:
-            cmd = [str(bin_dir / "llama-speculative-simple"), *common, *extra, "-p", text]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            log = proc.stdout + proc.stderr
-            if proc.returncode != 0:
-                rows[name] = {"status": f"failed (exit {proc.returncode}): {log[-400:]}"}
-                break
-            enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) s", log)
-            dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) s", log)
-            if enc:
-                encoded, encode_s = encoded + int(enc.group(1)), encode_s + float(enc.group(2))
-            if dec:
-                decoded, decode_s = decoded + int(dec.group(1)), decode_s + float(dec.group(2))
-            counts = dict(re.findall(r"(n_drafted|n_accept)\s+=\s+(\d+)", log))
-            drafted, accepted = drafted + int(counts.get("n_drafted", 0)), accepted + int(counts.get("n_accept", 0))
-        else:
-            rows[name] = {"status": "ran", "decode_tokens_per_s": decoded / decode_s if decode_s else None,
-                          "tokens_per_s": decoded / (decode_s + encode_s) if decode_s else None,
-                          "prefill_s": encode_s / len(texts), "tokens": decoded, "drafted": drafted,
-                          "accepted": accepted, "command": " ".join(["llama-speculative-simple", *common[2:], *extra])}
+        try:
+            runs = [llama_cpp.speculative_simple(bin_dir, [*common, *extra], text) for text in texts]
+        except RuntimeError as error:
+            rows[name] = {"status": str(error)}
+            continue
+        total = sum(runs, llama_cpp.SpeculativeRun())
+        rows[name] = {"status": "ran", "decode_tokens_per_s": total.decoded / total.decode_s if total.decode_s else None,
+                      "tokens_per_s": total.decoded / (total.decode_s + total.encode_s) if total.decode_s else None,
+                      "prefill_s": total.encode_s / len(texts), "tokens": total.decoded, "drafted": total.drafted,
+                      "accepted": total.accepted, "command": " ".join(["llama-speculative-simple", *common[2:], *extra])}
     # Batched forward at depth 300: the cost of verifying k tokens, relative to one.
     sizes = ",".join(str(k) for k in (1, 2, 4, 8, 16))
     proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(torch.get_num_threads()), "-d", "300",
@@ -285,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(results, "hf_generate" if "hf_generate" in results else "ours_plain")
     texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                                   tokenize=False) for p in prompts]
-    rows.update(llama_rows(args, texts, llama_bin_dir()))
+    rows.update(llama_rows(args, texts, llama_cpp.bin_dir()))
     described["llama_cpp_plain"] = "llama-speculative-simple --spec-type none on the Q4_1 GGUF"
     described["llama_cpp_ngram"] = (f"llama-speculative-simple --spec-type ngram-simple, n-gram {args.max_ngram}, "
                                     f"{args.num_draft} drafted tokens")

@@ -98,7 +98,7 @@ def test_check_mode_holds_the_served_tau_to_the_training_record(tiny_model_dir, 
     than training measured; without a record it reports the served tau and judges nothing."""
     from specdraft.decode.bench_modes import CheckFailed
 
-    args = ("proposer=drafter", f"proposer.path={tiny_export}", "bench.mode=check")
+    args = ("proposer=drafter", f"proposer.path={tiny_export}", "bench.mode=check", "bench.check_llama_cpp=false")
     summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path / "none", *args))
     assert summary["passed"] is None and summary["training"] is None and summary["tau"] >= 1
     sidecar = tiny_export / "specdraft.json"
@@ -112,3 +112,52 @@ def test_check_mode_holds_the_served_tau_to_the_training_record(tiny_model_dir, 
             with pytest.raises(CheckFailed, match=r"accepts far less when served than in training: tau"):
                 run_bench(config(tiny_model_dir, prompts_file, out, *args))
             assert json.loads((out / "results.json").read_text())["passed"] is False  # written before failing
+
+
+FAKE_LLAMA = """#!/bin/sh
+echo "$@" >> "$(dirname "$0")/calls.txt"
+echo "encoded   20 tokens in    0.010 s, speed: 2000 t/s"
+echo "decoded   10 tokens in    0.050 s, speed: 200 t/s"
+echo "n_drafted = 12"
+echo "n_accept  = $(cat "$(dirname "$0")/accept.txt")"
+"""
+
+
+def test_check_mode_serves_the_export_with_llama_cpp_where_built(tiny_model_dir, prompts_file, tmp_path, tiny_export,
+                                                                  monkeypatch):
+    """Where llama.cpp is built, the check converts the export with its converter and decodes the same prompts
+    with llama-speculative-simple at the same draft length; an engine that accepts almost nothing of what ours
+    accepts fails the check (stand-in binaries here: the real ones are built by scripts/build_llama_cpp.sh)."""
+    from specdraft.decode import llama_cpp
+    from specdraft.decode.bench_modes import CheckFailed
+
+    binaries = tmp_path / "bin"
+    binaries.mkdir()
+    for name in llama_cpp.NEEDED:
+        (binaries / name).write_text(FAKE_LLAMA)
+        (binaries / name).chmod(0o755)
+    converted = []
+
+    def convert(model_dir, out, target_dir=None, outtype="f32"):
+        converted.append((str(model_dir), out.name, target_dir))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"GGUF")
+        return out
+
+    monkeypatch.setattr(llama_cpp, "bin_dir", lambda: binaries)
+    monkeypatch.setattr(llama_cpp, "convert_to_gguf", convert)
+    args = ("proposer=drafter", f"proposer.path={tiny_export}", "bench.mode=check", "bench.num_prompts=2")
+    (binaries / "accept.txt").write_text("12")
+    engine = run_bench(config(tiny_model_dir, prompts_file, tmp_path / "good", *args))["llama_cpp"]
+    assert engine["passed"] is True and engine["acceptance"] == 1.0 and engine["drafted"] == 24
+    assert ("draft.gguf" in {name for _, name, _ in converted}) and str(tiny_export) in {m for m, _, _ in converted}
+    call = (binaries / "calls.txt").read_text().splitlines()[0].split()
+    assert call[call.index("--spec-type") + 1] == "draft-dspark" and call[call.index("--spec-draft-n-max") + 1] == "3"
+    assert call[call.index("-md") + 1].endswith("draft.gguf") and call[call.index("--temp") + 1] == "0"
+    assert engine["our_acceptance"] > 0  # what the negative control below needs to fail against
+    (binaries / "accept.txt").write_text("0")
+    with pytest.raises(CheckFailed, match="llama.cpp serves the export worse than our engine does: acceptance 0.000"):
+        run_bench(config(tiny_model_dir, prompts_file, tmp_path / "bad", *args))
+    monkeypatch.setattr(llama_cpp, "bin_dir", lambda: None)
+    engine = run_bench(config(tiny_model_dir, prompts_file, tmp_path / "unbuilt", *args))["llama_cpp"]
+    assert engine["passed"] is None and engine["status"].startswith("not built")
