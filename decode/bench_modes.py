@@ -274,7 +274,9 @@ def llama_cpp_check(bench, block: int, ours: list) -> dict:
         target_gguf = _gguf_file(cfg.target.name_or_path)
     except (KeyError, ValueError, FileNotFoundError):
         target_gguf = llama_cpp.convert_to_gguf(target_dir, out / "target.gguf")
-    command = ["-m", str(target_gguf), "-n", str(cfg.decode.max_new_tokens), "--temp", "0", "-c", "4096",
+    # --no-repack: this build's repacked AMX kernels crash on the Q4_1 target on AMX CPUs (a segfault in
+    # ggml_backend_amx_mul_mat, found on a Xeon with AMX); acceptance does not depend on the kernels' layout.
+    command = ["-m", str(target_gguf), "--no-repack", "-n", str(cfg.decode.max_new_tokens), "--temp", "0", "-c", "4096",
                "-t", str(torch.get_num_threads()), "--spec-type", LLAMA_SPEC_TYPES[mode], "--spec-draft-n-max", str(block)]
     try:
         draft_gguf = llama_cpp.convert_to_gguf(cfg.proposer.path, out / "draft.gguf", target_dir)

@@ -10,11 +10,14 @@ CACHE=${SPECDRAFT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specdraft}
 ROOT="$CACHE/llama.cpp-$VERSION"
 BIN="$ROOT/build/bin"
 TARGETS=(llama-bench llama-speculative-simple)
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+# The tree's convert_hf_to_gguf.py (bench.mode=check converts exports with it) imports sentencepiece
+# before it falls back to tokenizer.json.
+"$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q --progress-bar off "sentencepiece==0.2.3" >&2
 if [ -x "$BIN/llama-speculative-simple" ] && [ -x "$BIN/llama-bench" ]; then
   echo "$BIN"; exit 0
 fi
-PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 if [ ! -f "$ROOT/CMakeLists.txt" ]; then
