@@ -113,9 +113,14 @@ class SpecDecoder:
         is a conversation; a list of ints is taken as token ids."""
         if isinstance(prompt, str):
             return chat_prompt_ids(self.target.tokenizer, prompt)
-        if not isinstance(prompt, (list, tuple)) or not prompt:
+        if not isinstance(prompt, (list, tuple)):
             raise TypeError("a prompt is a string, a list of {'role', 'content'} messages, or a list of token ids")
-        if all(isinstance(t, int) for t in prompt):
+        if not prompt:
+            raise ValueError("the prompt is empty: give a string, messages, or at least one token id")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.target.model.config.vocab_size
+            if not all(0 <= t < vocab for t in prompt):
+                raise ValueError(f"the prompt holds token ids outside the target's vocabulary (0..{vocab - 1})")
             return list(prompt)
         if all(isinstance(m, dict) and "role" in m for m in prompt):
             ids = self.target.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,

@@ -19,6 +19,7 @@ import torch
 from specdraft.decode.backoff import Backoff
 from specdraft.decode.sampling import Sampler, sample
 from specdraft.decode.session import CausalSession
+from specdraft.models.layouts import EXTERNAL, folder_kind
 
 
 @dataclass
@@ -281,10 +282,25 @@ def check_same_vocabulary(target_tokenizer, target_model, drafter_tokenizer, dra
         )
 
 
+def _check_causal_lm(path: str) -> None:
+    """A trained drafter's folder is not a causal LM: transformers would build one from its config with random
+    weights where the drafter's do not fit (a DeepSpec or z-lab config names a plain model_type), and drafting
+    would silently accept nothing. Refuse it, naming the proposer that runs it."""
+    found = folder_kind(path)
+    if found == "speculators" or found in EXTERNAL:
+        what = "a speculators drafter export" if found == "speculators" else f"a {EXTERNAL[found]} drafter checkpoint"
+        raise ValueError(f"proposer=model takes a standalone causal LM, but {path} is {what}: decode it with "
+                         f"proposer=drafter proposer.path={path}")
+    if found in ("checkpoint", "run"):
+        raise ValueError(f"proposer=model takes a standalone causal LM, but {path} is a training "
+                         f"{'checkpoint' if found == 'checkpoint' else 'run folder'}: pass the run's export, RUN/export")
+
+
 def load_model_proposer(path: str, num_layers: int | None, target) -> tuple[ModelProposer, torch.nn.Module]:
     """A standalone drafter from a folder (or the target's own), optionally cut to its first k layers."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    _check_causal_lm(path)
     config = AutoConfig.from_pretrained(path)
     if num_layers is not None:
         if not 1 <= num_layers <= config.num_hidden_layers:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from specdraft.io.files import write_folder_atomically
+from specdraft.models.layouts import EXPORTS, EXTERNAL, folder_kind
 
 FORMAT = "specdraft-checkpoint-1"
 FROZEN_PREFIXES = ("embed_tokens.",)  # reloaded from the target; not worth a copy per checkpoint
@@ -125,12 +126,30 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(complete, key=lambda p: p.name) if complete else None
 
 
+def _what_instead(path: Path) -> str:
+    """The rest of the error for a folder given as a checkpoint that is not one: what it is, what to pass."""
+    found = folder_kind(path)
+    if found == "run":
+        newest = latest_checkpoint(path)
+        return (f" but a distill run folder: resume it with hydra.run.dir={path} trainer.resume=auto"
+                + (f", or pass trainer.resume={newest}" if newest else " (it has no complete checkpoint yet)"))
+    if found in EXPORTS:
+        newest = latest_checkpoint(path.parent)  # an export sits in its run folder, RUN/export
+        resume = newest or "RUN/checkpoints/step-N of the run that made it"
+        return (" but a drafter export, which keeps no optimizer, schedule or data position and so cannot be resumed: "
+                f"pass trainer.resume={resume}; to decode with it, proposer.path={path}")
+    if found in EXTERNAL:
+        return (f" but a {EXTERNAL[found]} checkpoint from another project; training resumes only from its own "
+                "checkpoints: pass a checkpoints/step-* folder of a specdraft run, or trainer.resume=never")
+    return "; pass a checkpoints/step-* folder of our run"
+
+
 def load_checkpoint(path: Path, model) -> tuple[dict, dict]:
     """Load weights into `model`; return (trainer_state, meta). Clear errors for foreign or corrupt folders."""
     path = Path(path)
     meta_file = path / "meta.json"
     if not meta_file.is_file():
-        raise FileNotFoundError(f"{path} is not a specdraft checkpoint (no meta.json); pass a checkpoints/step-* folder of our run")
+        raise FileNotFoundError(f"{path} is not a specdraft checkpoint (no meta.json){_what_instead(path)}")
     meta = json.loads(meta_file.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")

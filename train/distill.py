@@ -16,7 +16,8 @@ if __name__ == "__main__" and Path(sys.path[0]).resolve() == Path(__file__).reso
 
 import torch
 
-from specdraft.io.data import chat_prompt_ids, frequent_token_ids, response_ids_from_text, sharegpt_training_pairs, training_example
+from specdraft.io.data import (chat_prompt_ids, frequent_token_ids, read_jsonl_conversations, response_ids_from_text,
+                               sharegpt_training_pairs, training_example)
 from specdraft.io.target import target_features
 from specdraft.models.drafter import BlockDrafter
 from specdraft.models.eagle3 import Eagle3Drafter
@@ -39,10 +40,7 @@ def conversations(cfg: TrainDataConfig, tokenizer) -> list[dict]:
     if cfg.name == "sharegpt":
         rows = sharegpt_training_pairs(cfg.path)
     elif cfg.name == "jsonl":
-        from datasets import load_dataset
-
-        data = load_dataset("json", data_files=cfg.path, split="train")
-        rows = ({"id": str(r.get("id", i)), "prompt": r["prompt"], "response": r.get("response", "")} for i, r in enumerate(data))
+        rows = read_jsonl_conversations(cfg.path)
     else:
         raise ValueError(f"training data {cfg.name!r} is not supported; choose sharegpt or jsonl")
     fits = (row for row in rows if len(chat_prompt_ids(tokenizer, row["prompt"])) <= cfg.max_prompt_length)

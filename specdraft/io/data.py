@@ -45,7 +45,16 @@ def is_heldout(conversation_id: str) -> bool:
 
 def iter_sharegpt(path: str | Path | None = None) -> Iterator[dict]:
     """Yield the complete records of a ShareGPT JSON array, even when the file is truncated."""
-    text = Path(path or package_file(*SHAREGPT)).read_text(encoding="utf-8")
+    file = Path(path or package_file(*SHAREGPT)).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"data.path={str(file)!r} does not exist; give a ShareGPT JSON file (an array of "
+                                "records)")
+    text = file.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        what = "is empty" if not text.strip() else f"starts with {text.lstrip()[:20]!r}"
+        raise ValueError(f"{file} is not a ShareGPT file: it {what}, where a JSON array of "
+                         '{"id", "conversations": [{"from": "human", "value": ...}, ...]} records belongs '
+                         "(JSONL training data: data=jsonl)")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
     while True:
@@ -55,9 +64,16 @@ def iter_sharegpt(path: str | Path | None = None) -> Iterator[dict]:
         if pos >= len(text) or text[pos] == "]":
             return
         try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the shipped file ends mid-record; everything before it is complete
+            record, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            if not text.rstrip().endswith("]"):
+                return  # cut short (the shipped file ends mid-record): everything before it is complete
+            raise ValueError(f"{file} is not valid JSON at line {err.lineno} column {err.colno} ({err.msg}); the "
+                             "records from there on would be lost: mend the file") from None
+        if not isinstance(record, dict) or "id" not in record:
+            raise ValueError(f"{file}: the record at character {pos} is not a ShareGPT record (an object with an id "
+                             "and conversations)")
+        pos = end
         yield record
 
 
@@ -84,12 +100,13 @@ def _sharegpt_heldout_prompts() -> list[dict]:
     return prompts
 
 
-def read_jsonl_prompts(path: str | Path) -> list[dict]:
-    """Read `{"prompt": ..., "id"?: ...}` lines, with errors that name the file and the line."""
+def _jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a JSONL file (data.path) whose records each carry a non-empty string `prompt`, with
+    errors that name the file and the line."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist; give a JSONL file with one {{\"prompt\": ...}} per line")
-    prompts = []
+    found = False
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -99,11 +116,31 @@ def read_jsonl_prompts(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number} is not JSONL ({err.msg}); each line must be a JSON object like {{\"prompt\": \"...\"}}") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{number} has no string field 'prompt'; each line must be like {{\"prompt\": \"...\", \"id\": \"optional\"}}")
-        prompts.append({"id": str(row.get("id", f"{path.stem}-{number}")), "prompt": row["prompt"],
-                        **({"category": str(row["category"])} if "category" in row else {})})
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
+        if not row["prompt"].strip():
+            raise ValueError(f"{path}:{number} has an empty 'prompt'; give it the text to send, or delete the line")
+        found = True
+        yield number, row
+    if not found:
+        raise ValueError(f"{path} holds no prompts (it is empty); give one {{\"prompt\": ...}} per line")
+
+
+def read_jsonl_prompts(path: str | Path) -> list[dict]:
+    """Read `{"prompt": ..., "id"?: ...}` lines, with errors that name the file and the line."""
+    stem = Path(path).stem
+    return [{"id": str(row.get("id", f"{stem}-{number}")), "prompt": row["prompt"],
+             **({"category": str(row["category"])} if "category" in row else {})}
+            for number, row in _jsonl_records(path)]
+
+
+def read_jsonl_conversations(path: str | Path) -> list[dict]:
+    """Training `{"prompt": ..., "response"?: ..., "id"?: ...}` lines as {id, prompt, response}; a record without an
+    id is named by its index in the file."""
+    rows = []
+    for index, (number, row) in enumerate(_jsonl_records(path)):
+        if not isinstance(row.get("response", ""), str):
+            raise ValueError(f"{path}:{number} has a 'response' that is not a string")
+        rows.append({"id": str(row.get("id", index)), "prompt": row["prompt"], "response": row.get("response", "")})
+    return rows
 
 
 def load_prompts(source: str, path: str | None = None, num_prompts: int | None = None, first: int = 0,
@@ -156,6 +193,9 @@ def sharegpt_training_pairs(path: str | Path | None = None, limit: int | None = 
         count += 1
         if limit is not None and count >= limit:
             return
+    if count == 0:
+        raise ValueError(f"{path or 'the ShareGPT package file'} holds no training conversation (a record whose first "
+                         "turn is from human and the second from gpt, outside the held-out split); check the file")
 
 
 def training_example(tokenizer, prompt: str, response_ids: list[int], max_length: int) -> dict:

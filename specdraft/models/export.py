@@ -21,8 +21,9 @@ from specdraft.io.files import write_folder_atomically
 from specdraft.io.target import same_target, serving_name, target_fingerprint
 from specdraft.models.drafter import BlockDrafter
 from specdraft.models.eagle3 import Eagle3Drafter
+from specdraft.models.layouts import external_layout, external_layout_error, folder_kind, read_config
 from specdraft.models.registry import kind
-from specdraft.models.speculators_export import export_speculators, import_speculators
+from specdraft.models.speculators_export import UnsupportedCheckpoint, export_speculators, import_speculators
 
 SIDECAR = "specdraft.json"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "model_type")
@@ -44,11 +45,41 @@ def target_signature(target_model, name_or_path: str) -> dict:
 
 
 def export_config(path: str | Path) -> Path:
-    """The export's config.json, or a clear error where `path` is not an export folder."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
-    return config
+    """The export's config.json, or a clear error where `path` is not an export folder (one of our run folders or
+    training checkpoints is named as such, with the export to pass)."""
+    path = Path(path)
+    config = path / "config.json"
+    if config.is_file():
+        return config
+    found = folder_kind(path)
+    run = path if found == "run" else path.parent.parent if found == "checkpoint" else None  # RUN/checkpoints/step-N
+    if run is not None:
+        what = "a distill run folder" if found == "run" else "a training checkpoint (weights + trainer state)"
+        if (run / "export" / "config.json").is_file():
+            fix = f"decode with the run's export: proposer.path={run / 'export'}"
+        else:
+            fix = ("the run has no export yet (it writes one when training ends): the same distill command with "
+                   f"hydra.run.dir={run} goes on from the newest checkpoint and exports")
+        raise FileNotFoundError(f"{path} is not a drafter export but {what}; {fix}")
+    raise FileNotFoundError(f"{path} is not a drafter export (no config.json); pass the export folder of a distill run")
+
+
+def speculators_config(path: str | Path, verifier: str = "TARGET") -> dict:
+    """The export's config.json as a dict, refused where it is not the speculators format: another project's
+    layout (specdraft.models.layouts: DeepSpec, z-lab, EAGLE-3) or a standalone drafter, each named with its fix.
+    verifier: the target, for the conversion command an error suggests."""
+    path = Path(path)
+    export_config(path)
+    config = read_config(path)
+    if "speculators_model_type" in config:
+        return config
+    if external_layout(config):
+        raise ValueError(external_layout_error(path, config, verifier))
+    if config.get("model_type"):
+        raise ValueError(f"{path} is a standalone drafter (a plain {config['model_type']} causal LM), not a speculators "
+                         f"drafter export: decode it with proposer=model proposer.path={path}")
+    raise ValueError(f"{path}/config.json has no speculators_model_type: it is not a speculators drafter export; pass "
+                     "the export folder of a distill run, or convert the checkpoint with `speculators convert`")
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -103,7 +134,7 @@ def recorded_target(path: str | Path) -> str:
     sidecar = path / SIDECAR
     if sidecar.is_file():
         return json.loads(sidecar.read_text())["target"]["name_or_path"]
-    verifier = json.loads(export_config(path).read_text()).get("speculators_config", {}).get("verifier", {})
+    verifier = speculators_config(path).get("speculators_config", {}).get("verifier", {})
     if not verifier.get("name_or_path"):
         raise ValueError(f"{path}/config.json names no verifier (speculators_config.verifier.name_or_path); "
                          "name the target explicitly")
@@ -115,7 +146,9 @@ def set_serving_verifier(path: str | Path, name_or_path: str) -> str:
     copy, another hub id); written atomically. specdraft's own loader reads specdraft.json, not this field.
     Returns the previous value."""
     config_path = export_config(path)
-    config = json.loads(config_path.read_text())
+    config = read_config(Path(path))
+    if external_layout(config):
+        raise ValueError(external_layout_error(Path(path), config, serving_name(name_or_path)))
     verifier = config.get("speculators_config", {}).get("verifier")
     if verifier is None:
         raise ValueError(f"{config_path} is not a speculators config (no speculators_config.verifier): a standalone "
@@ -157,7 +190,7 @@ def save_drafter(out_dir: Path, drafter: BlockDrafter | Eagle3Drafter, feature_l
 def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[BlockDrafter | Eagle3Drafter, tuple[int, ...]]:
     """A drafter export for this target (refused, naming both, if it was made for another)."""
     path = Path(path)
-    export_config(path)
+    config = speculators_config(path, target_name)
     check_weights(path)
     sidecar = path / SIDECAR
     saved = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
@@ -165,7 +198,7 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
     actual = target_signature(target_model, target_name)
     keys = SHAPE_KEYS
     if expected is None:  # a checkpoint from elsewhere: only the widths its decoder config records can be compared
-        layer_config = json.loads((path / "config.json").read_text()).get("transformer_layer_config", {})
+        layer_config = config.get("transformer_layer_config", {})
         expected = {"name_or_path": "(recorded in config.json)", **{k: layer_config.get(k) for k in SHAPE_KEYS}}
         keys = ("vocab_size", "hidden_size")
     recorded = expected.get("fingerprint")  # exports made before fingerprints: shapes only
@@ -181,6 +214,8 @@ def load_drafter(path: str | Path, target_model, target_name: str) -> tuple[Bloc
     try:
         # the verifier's embeddings and head come from the target loaded here, wherever the export was made
         drafter, layers = import_speculators(path, target_model.config, target_model.config._name_or_path)
+    except UnsupportedCheckpoint:
+        raise
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ValueError(f"drafter export {path} is corrupt or incomplete ({type(err).__name__}: {err})") from None
     _check_feature_layers(path, tuple(int(i) for i in layers), saved.get("feature_layers"),

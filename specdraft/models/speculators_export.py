@@ -31,6 +31,11 @@ from specdraft.models.registry import kind
 SPECULATORS_CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}
 
 
+class UnsupportedCheckpoint(ValueError):
+    """A well-formed speculators checkpoint of a variant our drafters do not implement: not damage, so the loader
+    passes it on as it is instead of calling the export corrupt."""
+
+
 def vocab_mappings(draft_to_target: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(t2d, d2t) in speculators' form from our absolute draft -> target id map."""
     t2d = torch.zeros(target_vocab, dtype=torch.bool)
@@ -97,7 +102,8 @@ def import_speculators(path: str | Path, target_config, verifier_path: str | Non
     config = model.config
     mode = config.speculators_model_type
     if mode not in SPECULATORS_CLASSES:
-        raise ValueError(f"{path} is a speculators {mode!r} checkpoint; only {sorted(SPECULATORS_CLASSES)} decode here")
+        raise UnsupportedCheckpoint(f"{path} is a speculators {mode!r} checkpoint; only {sorted(SPECULATORS_CLASSES)} "
+                                    "decode here")
     state = model.state_dict()
     if getattr(model, "use_draft_vocab", False):
         draft_ids = torch.arange(config.draft_vocab_size) + state["d2t"]
@@ -107,14 +113,18 @@ def import_speculators(path: str | Path, target_config, verifier_path: str | Non
     if kind(mode).unrolled:
         variants = {k: getattr(config, k, False) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
         if any(variants.values()) or config.transformer_layer_config.num_hidden_layers != 1:
-            raise ValueError(f"{path}: an Eagle-3 variant we do not implement ({variants}, "
-                             f"{config.transformer_layer_config.num_hidden_layers} layers); only the plain one-layer head decodes here")
+            raise UnsupportedCheckpoint(f"{path}: an Eagle-3 variant we do not implement ({variants}, "
+                                        f"{config.transformer_layer_config.num_hidden_layers} layers); only the plain "
+                                        "one-layer head decodes here")
         layers = tuple(config.eagle_aux_hidden_state_layer_ids)
         steps = config.speculators_config.proposal_methods[0].speculative_tokens
         drafter = Eagle3Drafter(target_config, num_feature_layers=len(layers), steps=steps, draft_vocab_ids=draft_ids)
         return _load_ours(drafter, state, path), layers
     if not config.sample_from_anchor:
-        raise ValueError(f"{path} uses sample_from_anchor=false (the anchor is the bonus token); only true is supported")
+        raise UnsupportedCheckpoint(
+            f"{path} uses sample_from_anchor=false (the anchor is the bonus token, as in z-lab's DFlash and drafters "
+            "converted from it); specdraft decodes only drafters that sample from the anchor (its own exports, "
+            "DeepSpec's DSpark): serve this one with vLLM, or distill a drafter with specdraft")
     layers = tuple(config.aux_hidden_state_layer_ids)
     drafter = BlockDrafter(
         target_config, num_layers=config.transformer_layer_config.num_hidden_layers, num_feature_layers=len(layers),
