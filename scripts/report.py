@@ -48,9 +48,11 @@ def proposer_overrides(drafter: str, exports: dict[str, str], standalone_draft: 
         return ["proposer=ngram"]
     if drafter == "hybrid":
         return ["proposer=hybrid", f"proposer.path={exports['dspark']}"]
-    if drafter == "standalone":  # a plain HF model with the target's tokenizer, drafting autoregressively
-        return ["proposer=model", f"proposer.path={exports['standalone']}", f"decode.num_draft={standalone_draft}"]
-    return ["proposer=drafter", f"proposer.path={exports[drafter]}"]
+    from specdraft.models.registry import kind
+
+    runs_with = kind(drafter).proposer  # "model" for the standalone drafter: a plain HF model with the target's tokenizer
+    extra = [f"decode.num_draft={standalone_draft}"] if runs_with == "model" else []
+    return [f"proposer={runs_with}", f"proposer.path={exports[drafter]}", *extra]
 
 
 def cell_overrides(drafter: str, data: str, temperature: float, args, exports: dict[str, str], out: Path) -> list[str]:
@@ -138,7 +140,7 @@ def markdown(cells: dict, trained: dict, args, argv: list[str], plots: list[str]
              f"- Each cell: {args.num_prompts} prompts x {args.max_new_tokens} new tokens, plain decoding and "
              "speculative decoding interleaved per prompt in one run (ratios within that run); at T=0 HF `generate` "
              "too, the exactness reference.",
-             f"- Regenerate: `.venv/bin/python scripts/report.py {' '.join(map(shlex.quote, argv))}`".rstrip() + "",
+             f"- Regenerate: `{' '.join(['.venv/bin/python scripts/report.py', *map(shlex.quote, argv)])}`",
              ""]
     if trained:
         lines += ["## Drafters", "", "Trained with the no-argument distill settings, one data set, the same seed and "

@@ -26,7 +26,7 @@ def test_links_and_named_files_exist():
     results = REPO / "docs" / "results"
     for page in results.glob("*.md"):  # every result page says when, on what, with which code and command
         text = page.read_text()
-        assert re.match(r"\d{4}-\d{2}-\d{2}-", page.name), page.name
+        assert re.match(r"(report-)?\d{4}-\d{2}-\d{2}", page.name), page.name  # scripts/report.py: report-DATE.md
         assert "Machine" in text and "ommit" in text and "Command" in text, page.name
 
 
