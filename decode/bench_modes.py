@@ -236,7 +236,8 @@ def run_check(bench) -> dict:
     _write(bench, "results.json", summary)
     engine = summary["llama_cpp"]
     if engine.get("passed") is False:
-        raise CheckFailed(f"llama.cpp serves the export worse than our engine does: {engine['status']}")
+        raise CheckFailed(f"llama.cpp serves the export worse than our engine does: {engine['status']} "
+                          "(bench.check_llama_cpp=false checks our engine and speculators' loader only)")
     if passed is False:
         raise CheckFailed(
             f"the export accepts far less when served than in training: tau {stats['tau']:.2f} over {len(gens)} prompts "
