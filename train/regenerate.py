@@ -71,6 +71,9 @@ def regenerate(
     done = read_done(path)
     # Similar lengths batched together: less left padding to push through the target.
     todo = sorted((p for p in prompts if p["id"] not in done), key=lambda p: len(p["prompt"]))
+    # Seeds count from a prompt's place among all of them, not among those left (a resumed run's done ones are a
+    # prefix of this order), so a rerun samples each prompt with the uninterrupted run's seed.
+    skipped = len(prompts) - len(todo)
     eos = model.generation_config.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
@@ -81,13 +84,14 @@ def regenerate(
             chunk = todo[start : start + batch_size]
             encoded = [chat_prompt_ids(tokenizer, item["prompt"]) for item in chunk]
             if generate is not None:
-                _append(sink, chunk, generate(encoded, max_new_tokens, temperature, sorted(eos_ids), seed + start))
+                responses = generate(encoded, max_new_tokens, temperature, sorted(eos_ids), seed + skipped + start)
+                _append(sink, chunk, responses)
                 continue
             width = max(map(len, encoded))
             # Left padding keeps every prompt's last token at the same column for batched generation.
             ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=model.device)
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=model.device)
-            torch.manual_seed(seed + start)
+            torch.manual_seed(seed + skipped + start)
             generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
             _append(sink, chunk, [_strip(row, eos_ids) for row in generated])
     return path
