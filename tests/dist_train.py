@@ -3,11 +3,15 @@
 Argument: a JSON object {run_dir, report_dir, trainer: {TrainerConfig fields}}. Each rank writes
 report_dir/rank{R}.json (world size, rank, examples seen, losses, files it wrote under run_dir) and
 report_dir/rank{R}.safetensors (its drafter weights), so the test can compare ranks and runs.
+Optional `kill: {rank, where, at, spare}` (tests/test_kill_resume.py): that rank SIGKILLs the launcher and every
+rank (`kill_tree` of its parent, as when the machine goes) at the point `die_in_training` names; `spare` is the
+test's own process id, refused as the launcher.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +22,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from tests.helpers import tiny_llama  # noqa: E402
-from tests.helpers import examples, fresh_drafter  # noqa: E402
+from tests.helpers import die_in_training, examples, fresh_drafter, kill_tree  # noqa: E402
 from specdraft.train.config import TrackingConfig, TrainerConfig  # noqa: E402
 from specdraft.train.distributed import full_parameters, make_accelerator, shutdown  # noqa: E402
 
@@ -38,6 +42,14 @@ def record_writes(run_dir: Path, log: list) -> None:
     Path.write_text = wrap(Path.write_text, 0)
 
 
+def kill_launch_at(kill: dict) -> None:
+    """Arrange for this rank to SIGKILL the whole launch at kill["where"], kill["at"] (never the test itself)."""
+    launcher = os.getppid()
+    if launcher == kill["spare"]:
+        raise RuntimeError("this rank's parent is the test, not an accelerate launcher")
+    die_in_training(kill["where"], kill["at"], die=lambda: kill_tree(launcher))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     run_dir, report_dir = Path(spec["run_dir"]), Path(spec["report_dir"])
@@ -45,6 +57,9 @@ def main() -> None:
     accelerator = make_accelerator(cfg)
     writes: list[str] = []
     record_writes(run_dir, writes)
+    kill = spec.get("kill")
+    if kill and kill["rank"] == accelerator.process_index:
+        kill_launch_at(kill)
     from specdraft.train.trainer import TrainJob, train
 
     target = tiny_llama(0)

@@ -382,43 +382,188 @@ def serving(model_dir: str, **server):
         runtime.worker.stop()
 
 
+def frozen(body, *args) -> None:
+    """body(*args) in a child forked from a fork server, with what it inherited frozen out of the garbage collector:
+    the server's imports (speculators pulls in torch's inductor) are some 600,000 objects, and walking them in
+    every full collection more than doubled a training child's time."""
+    import gc
+
+    gc.freeze()
+    body(*args)
+
+
+def die_in_training(where: str, n: int, die) -> None:
+    """Make this training process call die() at a chosen point: "step" inside the loss's n-th call (training steps
+    and held-out evaluation both compute it), "checkpoint" after step n's checkpoint wrote its weights and before
+    its meta.json (rank 0 writes both)."""
+    from safetensors.torch import save_file
+
+    from specdraft.train import checkpoint, trainer
+
+    if where == "step":
+        real_step, calls = trainer.distill_step, []
+
+        def dying_step(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                die()
+            return real_step(*args, **kwargs)
+
+        trainer.distill_step = dying_step
+    if where == "checkpoint":
+        real_write = checkpoint.write_checkpoint_files
+
+        def dying_write(folder, step, weights, trainer_state, meta):
+            if step == n:
+                save_file(checkpoint.trainable_state(weights), str(folder / "drafter.safetensors"))
+                die()
+            return real_write(folder, step, weights, trainer_state, meta)
+
+        checkpoint.write_checkpoint_files = dying_write
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and all its descendants, as when the machine goes: an `accelerate launch` and its ranks
+    (torch's launcher starts each rank in a session of its own, so no process group holds them all). The caller
+    is killed last when it is one of them."""
+    import os
+    import signal
+
+    import psutil
+
+    try:
+        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        if process.pid != os.getpid():
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+    if any(process.pid == os.getpid() for process in tree):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def killable_training(run_dir: str, out: str, kill: tuple[str, int] | None = None) -> None:
     """The body of one training process of the kill-anywhere test (tests/test_kill_resume.py): `run()`'s tiny run
     with a checkpoint after every step and resume=auto; at the end the final weights and the losses of the steps
-    this process ran go to `out` (.safetensors, .json). kill=(where, n) SIGKILLs the process itself: "step" inside
-    the loss's n-th call (training steps and held-out evaluation both compute it), "checkpoint" after step n's
-    checkpoint wrote its weights and before its meta.json."""
+    this process ran go to `out` (.safetensors, .json). kill=(where, n): the process SIGKILLs itself there
+    (`die_in_training`)."""
     import json
     import os
     import signal
 
     from safetensors.torch import save_file
 
-    from specdraft.train import checkpoint, trainer
-
-    def die():
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if kill and kill[0] == "step":
-        real_step, calls = trainer.distill_step, []
-
-        def dying_step(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == kill[1]:
-                die()
-            return real_step(*args, **kwargs)
-
-        trainer.distill_step = dying_step
-    if kill and kill[0] == "checkpoint":
-        real_write = checkpoint.write_checkpoint_files
-
-        def dying_write(folder, step, weights, trainer_state, meta):
-            if step == kill[1]:
-                save_file(checkpoint.trainable_state(weights), str(folder / "drafter.safetensors"))
-                die()
-            return real_write(folder, step, weights, trainer_state, meta)
-
-        checkpoint.write_checkpoint_files = dying_write
+    if kill:
+        die_in_training(*kill, die=lambda: os.kill(os.getpid(), signal.SIGKILL))
     drafter, summary = run(tiny_llama(0), run_dir, checkpoint_every=1)
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, out + ".safetensors")
     Path(out + ".json").write_text(json.dumps({"loss_history": summary["loss_history"], "steps": summary["steps"]}))
+
+
+def export_drafter(target_model, seed: int) -> BlockDrafter:
+    """A small dspark drafter of the tiny target, its weights fixed by `seed` (the kill-anywhere export test)."""
+    torch.manual_seed(seed)
+    drafter = BlockDrafter(target_model.config, 1, 2, block_size=3, mask_token_id=0, markov_rank=8)
+    drafter.copy_target_weights(target_model)
+    return drafter
+
+
+# What an export mutates on disk, as Python's audit events name it: files opened for writing, folders made,
+# files and folders removed or renamed (os.replace raises os.rename). Safetensors' own writes (Rust) raise none.
+MUTATIONS = {"os.mkdir", "os.remove", "os.rmdir", "os.rename", "shutil.rmtree"}
+
+
+def is_mutation(event: str, args: tuple, root: Path) -> bool:
+    """Whether an audit event changes something under `root` (a folder, resolved)."""
+    import os
+
+    if event == "open":
+        path, _, flags = args
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        return writing and isinstance(path, (str, Path)) and Path(path).resolve().is_relative_to(root)
+    if event not in MUTATIONS:
+        return False
+    path = args[0]  # rmtree removes by names relative to a folder it holds open: those are ours too
+    return not isinstance(path, (str, Path)) or not Path(path).is_absolute() or Path(path).resolve().is_relative_to(root)
+
+
+def killable_export(target_dir: str, out: str, seed: int, kill_at: int | None, signals: str) -> None:
+    """The body of one export process of the kill-anywhere test: save_drafter(export_drafter(seed)) to `out`.
+    kill_at=k SIGKILLs the process just before the k-th file-system mutation under out's parent folder (an audit
+    hook sees each before it happens). signals/: `started` just before the export, then `events.json` (how many
+    mutations it made, its seconds) when it is done."""
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    from specdraft.io.target import load_target
+    from specdraft.models.export import save_drafter
+
+    target = load_target(target_dir, "float32")
+    drafter = export_drafter(target.model, seed)
+    root, events = Path(out).parent.resolve(), []
+
+    def hook(event, args):
+        if is_mutation(event, args, root):
+            events.append(event)
+            if len(events) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    Path(signals, "started").write_text("")
+    began = time.perf_counter()
+    sys.addaudithook(hook)  # after the marker: that write is not the export's
+    save_drafter(Path(out), drafter, (1, 2), target.model, target_dir, target_dir)
+    seconds = time.perf_counter() - began
+    Path(signals, "events.json").write_text(json.dumps({"events": len(events), "seconds": seconds}))
+
+
+class TearingSink:
+    """Stands in for regeneration's output file: its n-th line is written halfway, everything before it reaches
+    the disk, then the process SIGKILLs itself (a kill while the OS wrote part of a buffered batch)."""
+
+    def __init__(self, sink, n: int):
+        self.sink, self.n, self.lines = sink, n, 0
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        if self.lines >= self.n:
+            import os
+            import signal
+
+            self.sink.write(text[: len(text) // 2])
+            self.sink.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.sink.write(text)
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    def fileno(self) -> int:
+        return self.sink.fileno()
+
+
+def killable_regeneration(target_dir: str, out_dir: str, prompts: list[dict], settings: dict,
+                          tear: int | None = None) -> None:
+    """The body of one regeneration process of the kill-anywhere test: regenerate() with `settings`
+    (engine: the decode engine's generator as the distill pipeline builds it, else HF generate). tear=n: the n-th
+    record this process appends is cut halfway and the process SIGKILLs itself (`TearingSink`)."""
+    from specdraft.io.target import load_target
+    from specdraft.pipeline import engine_generator
+    from specdraft.train import regenerate
+
+    settings = dict(settings)
+    target = load_target(target_dir, "float32")
+    generate = engine_generator(target, "auto", settings["batch_size"]) if settings.pop("engine") else None
+    if tear:
+        append, tearing = regenerate._append, {}
+
+        def tearing_append(sink, chunk, responses):  # one file for the whole run: one count of its lines
+            append(tearing.setdefault("sink", TearingSink(sink, tear)), chunk, responses)
+
+        regenerate._append = tearing_append
+    regenerate.regenerate(target.model, target.tokenizer, prompts, out_dir, generate=generate, **settings)
