@@ -205,8 +205,9 @@ def records(path: Path) -> list[dict]:
 
 @pytest.mark.parametrize("settings", [
     {"engine": False, "temperature": 0.0, "max_new_tokens": 8, "batch_size": 3},  # HF generate, greedy
+    {"engine": False, "temperature": 0.8, "max_new_tokens": 8, "batch_size": 3},  # HF generate, sampling
     {"engine": True, "temperature": 0.8, "max_new_tokens": 8, "batch_size": 3},  # the pipeline's engine, sampling
-], ids=["hf-greedy", "engine-sampled"])
+], ids=["hf-greedy", "hf-sampled", "engine-sampled"])
 def test_regeneration_killed_anywhere_reruns_to_the_same_file(tiny_model_dir, tmp_path, settings):
     def regeneration(out_dir: Path, tear=None):
         return start(killable_regeneration, tiny_model_dir, str(out_dir), REGEN_PROMPTS, settings, tear)
@@ -289,8 +290,17 @@ def test_export_killed_anywhere_leaves_old_new_or_nothing_and_reruns_whole(tiny_
             assert all(p.name.startswith(".") for p in dest.parent.iterdir() if p != dest), (with_old, where, at)
             save_drafter(dest, new_drafter, (1, 2), target.model, tiny_model_dir, tiny_model_dir)
             assert snapshot(dest) == new, (with_old, where, at)
+            # and clears the killed writer's leftovers; the export is a plain folder (mkdir's mode, not mkdtemp's 0700)
+            assert [p.name for p in dest.parent.iterdir()] == ["export"], (with_old, where, at)
+            assert dest.stat().st_mode & 0o777 == 0o777 & ~umask()
         # The kills came before and after the export landed (and the old one was kept until it had).
         assert seen >= ({"old", "new"} if with_old else {"absent"}), (with_old, seen)
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def prepare(case: Path, signals: Path, old_export: Path | None) -> None:

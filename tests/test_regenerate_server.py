@@ -88,3 +88,21 @@ def test_server_failure_is_clear_and_keeps_progress(tmp_path, server):
     with pytest.raises(RuntimeError, match=r"regeneration server .* failed on prompt 'p0' \(NotFoundError"):
         regenerate_via_server(url, "no-such-model", target.tokenizer, PROMPTS[:2], tmp_path, max_new_tokens=4)
     assert read_all_done(tmp_path) == {}
+
+
+def test_server_resume_asks_with_the_uninterrupted_runs_seeds(tmp_path, server):
+    url, target, log = server
+
+    def seeds_asked(out_dir, rank, world):
+        before = len(log)
+        regenerate_via_server(url, "tiny", target.tokenizer, PROMPTS, out_dir, max_new_tokens=2, temperature=0.7,
+                              concurrency=1, seed=5, rank=rank, world=world)
+        return {body["messages"][0]["content"]: body["seed"] for body in log[before:]}
+
+    full = seeds_asked(tmp_path / "full", rank=1, world=2)
+    assert full == {p["prompt"]: 5 + i for i, p in enumerate(PROMPTS) if i % 2 == 1}  # a prompt's place among all
+    shard = (tmp_path / "full" / "responses-r1.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "responses-r1.jsonl").write_text("".join(shard[:1]))  # killed after its first record
+    resumed = seeds_asked(tmp_path / "cut", rank=1, world=2)
+    assert resumed == {prompt: seed for prompt, seed in full.items() if prompt != PROMPTS[1]["prompt"]}

@@ -16,14 +16,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from specdraft.io.files import write_folder_atomically
+from specdraft.io.files import move_into_place, write_folder_atomically
 from specdraft.models.layouts import EXPORTS, EXTERNAL, folder_kind
 
 FORMAT = "specdraft-checkpoint-1"
@@ -113,10 +112,7 @@ def complete_partial(run_dir: Path, step: int, weights: dict, trainer_state: dic
     """Rank 0: add our files to the partial folder the ranks wrote their DeepSpeed shards into, rename it."""
     partial, final = partial_path(run_dir, step), checkpoint_path(run_dir, step)
     write_checkpoint_files(partial, step, weights, trainer_state, meta)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    return final
+    return move_into_place(partial, final)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -69,31 +69,33 @@ def regenerate(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "responses.jsonl"
     done = read_done(path)
-    # Similar lengths batched together: less left padding to push through the target.
-    todo = sorted((p for p in prompts if p["id"] not in done), key=lambda p: len(p["prompt"]))
-    # Seeds count from a prompt's place among all of them, not among those left (a resumed run's done ones are a
-    # prefix of this order), so a rerun samples each prompt with the uninterrupted run's seed.
-    skipped = len(prompts) - len(todo)
+    # Similar lengths batched together: less left padding to push through the target. Batches are cut from the
+    # order of all the prompts, not of those left, and each keeps its seed (seed + its first position): a resumed
+    # run meets the same batches, and a batch a kill cut mid-write is generated again whole (same rows, padding
+    # and seed, so the same samples, also for HF's batch-wide sampling) and only its missing records are appended.
+    order = sorted(prompts, key=lambda p: len(p["prompt"]))
+    batches = [(start, order[start : start + batch_size]) for start in range(0, len(order), batch_size)]
+    batches = [(start, chunk) for start, chunk in batches if any(item["id"] not in done for item in chunk)]
     eos = model.generation_config.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id, **sampling)
     with path.open("a", encoding="utf-8") as sink:
-        for start in tqdm(range(0, len(todo), batch_size), desc="regenerate", mininterval=5):
-            chunk = todo[start : start + batch_size]
+        for start, chunk in tqdm(batches, desc="regenerate", mininterval=5):
             encoded = [chat_prompt_ids(tokenizer, item["prompt"]) for item in chunk]
             if generate is not None:
-                responses = generate(encoded, max_new_tokens, temperature, sorted(eos_ids), seed + skipped + start)
-                _append(sink, chunk, responses)
-                continue
-            width = max(map(len, encoded))
-            # Left padding keeps every prompt's last token at the same column for batched generation.
-            ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=model.device)
-            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=model.device)
-            torch.manual_seed(seed + skipped + start)
-            generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
-            _append(sink, chunk, [_strip(row, eos_ids) for row in generated])
+                responses = generate(encoded, max_new_tokens, temperature, sorted(eos_ids), seed + start)
+            else:
+                width = max(map(len, encoded))
+                # Left padding keeps every prompt's last token at the same column for batched generation.
+                ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=model.device)
+                mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=model.device)
+                torch.manual_seed(seed + start)
+                generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
+                responses = [_strip(row, eos_ids) for row in generated]
+            missing = [(item, response) for item, response in zip(chunk, responses) if item["id"] not in done]
+            _append(sink, [item for item, _ in missing], [response for _, response in missing])
     return path
 
 

@@ -43,11 +43,12 @@ def regenerate_via_server(base_url: str, model: str, tokenizer, prompts: list[di
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"responses-r{rank}.jsonl"
     done = read_all_done(out_dir)
-    todo = [p for i, p in enumerate(prompts) if i % world == rank and p["id"] not in done]
+    # A prompt's seed is seed + its place among all the prompts, so a resumed run asks with the same seeds.
+    todo = [(i, p) for i, p in enumerate(prompts) if i % world == rank and p["id"] not in done]
     client = OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"), timeout=timeout_s)
     with path.open("a", encoding="utf-8") as sink, ThreadPoolExecutor(max_workers=concurrency) as pool:
         futures = [(item, pool.submit(_ask, client, model, item["prompt"], max_new_tokens, temperature, seed + i))
-                   for i, item in enumerate(todo)]
+                   for i, item in todo]
         for item, future in futures:  # in submission order, each written as soon as it and those before it are done
             try:
                 text, finish = future.result()

@@ -160,7 +160,8 @@ def _save(accelerator, engine, run_dir: Path, step: int, drafter, trainer_state:
         return
     partial = partial_path(run_dir, step)
     if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)  # a leftover of a killed run
+        for left in partial.parent.glob(".step-*.partial"):  # leftovers of a killed run (no rank writes one now)
+            shutil.rmtree(left, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     engine.save_checkpoint(str(partial / "deepspeed"), tag="zero", save_latest=False)
