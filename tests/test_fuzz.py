@@ -1,7 +1,9 @@
 """Losslessness fuzzing (hypothesis): random tiny targets and drafters, prompts, verify lengths, EOS placement,
 proposers, schedulers, backends, batch sizes and join orders. Greedy output must equal target-only decoding (HF
 `generate`) every time, and the batched engine must give every request its batch-1 output with the same generator
-(greedy and sampled), with the cache compaction forced on every step.
+(greedy and sampled), with the cache compaction forced on every step. On a target of 8 tokens, sampled output
+(temperature, top-k and top-p drawn too) has the target's exact distribution of its first two tokens (chi-square
+over the 64 cells), and the same test fails "accept if r < p".
 
 Profiles (tests/conftest.py): `ci` (the default run, derandomized, a bounded number of examples) and `long`
 (`HYPOTHESIS_PROFILE=long pytest tests/test_fuzz.py`: many more, fresh randomness). A failure shrinks to a minimal
@@ -10,8 +12,10 @@ case; pin it below as a regression example (`@example`).
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
+import numpy as np
 import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
@@ -25,7 +29,7 @@ from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import CostRule, ThresholdRule
 from specdraft.decode.session import CausalSession
 from specdraft.models.drafter import BlockDrafter
-from tests.helpers import hf_greedy, synthetic_profile, tiny_llama
+from tests.helpers import VOCAB as SMALL_VOCAB, goodness_of_fit, hf_greedy, synthetic_profile, tiny_llama
 
 VOCAB = 48
 # "self": the target drafting for itself (ModelProposer on the target): at T=0 every drafted token is accepted,
@@ -180,3 +184,103 @@ def test_the_fuzzer_finds_a_wrong_acceptance_rule():
     found = find(st.tuples(case, st.lists(tokens, min_size=1, max_size=12), st.integers(1, 24)), wrong,
                  settings=settings(max_examples=500, deadline=None, database=None))
     assert found[0]["proposer"] != "none"  # plain decoding drafts nothing, so it cannot be wrong this way
+
+
+# ---- sampling: the output's exact distribution, on a target small enough to enumerate ----
+
+SAMPLED_PROPOSERS = ("ngram", "model", "self", "dspark", "dflash", "dspark_reduced", "hybrid")
+SAMPLES = 1500  # generations per example: the batched engine draws them, each with its own generator
+
+
+@lru_cache(maxsize=None)
+def small_world(seed: int):
+    """A target over SMALL_VOCAB tokens (so the joint of its first two sampled tokens is 64 cells), and drafters."""
+    target = tiny_llama(seed + 20, vocab_size=SMALL_VOCAB, layers=1)
+    torch.manual_seed(120 + seed)
+    drafters = {}
+    for name, mode, vocab in (("dspark", "dspark", None), ("dflash", "dflash", None),
+                              ("dspark_reduced", "dspark", torch.arange(0, SMALL_VOCAB, 2))):
+        drafter = BlockDrafter(target.config, 1, 2, block_size=4, mask_token_id=1, mode=mode, markov_rank=4,
+                               draft_vocab_ids=vocab).eval()
+        drafter.copy_target_weights(target)
+        drafters[name] = drafter
+    return target, FastTarget(target, "torch"), drafters, tiny_llama(seed + 27, vocab_size=SMALL_VOCAB, layers=1)
+
+
+def small_proposer(name: str, seed: int, max_ngram: int):
+    event(f"proposer: {name}")
+    target, _, drafters, other = small_world(seed)
+    if name == "ngram":
+        return NgramProposer(max_ngram, share_stats=False)
+    if name in ("model", "self"):
+        return ModelProposer(other if name == "model" else target)
+    if name == "hybrid":
+        return HybridProposer(NgramProposer(max_ngram, share_stats=False), BlockDrafterProposer(drafters["dspark"], (0, 1)))
+    return BlockDrafterProposer(drafters[name], (0, 1))
+
+
+@torch.inference_mode()
+def target_joint(target, prompt: list[int], sampler: Sampler) -> np.ndarray:
+    """P(first two sampled tokens) under target-only sampling with `sampler`: (SMALL_VOCAB ** 2,)."""
+    first = sampler.probs(target(torch.tensor([prompt])).logits[0, -1])  # (V,)
+    rows = torch.tensor([prompt + [t] for t in range(SMALL_VOCAB)])  # (V, P + 1)
+    second = sampler.probs(target(rows).logits[:, -1])  # (V, V)
+    joint = (first[:, None].double() * second.double()).reshape(-1).numpy()
+    return joint / joint.sum()  # float32 probabilities: renormalised, as the chi-square test checks the total
+
+
+sampled_case = st.fixed_dictionaries({
+    "seed": st.integers(0, 1),
+    "proposer": st.sampled_from(SAMPLED_PROPOSERS),
+    "rule": st.sampled_from(RULES),
+    "threshold": st.floats(0.05, 0.95),
+    "max_ngram": st.integers(1, 2),
+    "num_draft": st.integers(1, 4),
+    "backend": st.sampled_from(("hf", "fast")),
+    "temperature": st.sampled_from((0.6, 1.0, 1.7)),
+    "top_k": st.sampled_from((0, 3, 5)),
+    "top_p": st.sampled_from((1.0, 0.8)),
+    # repeated prompts give prompt lookup something to draft
+    "prompt": st.lists(st.integers(2, SMALL_VOCAB - 1), min_size=1, max_size=3).map(lambda p: p * 3),
+})
+
+
+def sampled_pvalue(case) -> float:
+    """Chi-square p-value of the first two tokens of SAMPLES batched generations against the target's joint."""
+    target, fast, _, _ = small_world(case["seed"])
+    proposer = small_proposer(case["proposer"], case["seed"], case["max_ngram"])
+    rule = make_rule(case["rule"], proposer, case["threshold"])
+    sampler = Sampler(case["temperature"], case["top_k"], case["top_p"])
+    num_draft = _num_draft(proposer, case["num_draft"])
+    # room for whole drafted blocks past the two tokens counted, so accepted runs end inside them too
+    batch = [Request(case["prompt"], 2 + num_draft, torch.Generator().manual_seed(1000 + i)) for i in range(SAMPLES)]
+    model = fast if case["backend"] == "fast" else target
+    out = batched_generate(model, batch, proposer, sampler, num_draft, (), rule, max_concurrency=64)
+    samples = np.array([g.output_ids[:2] for g in out])
+    return goodness_of_fit(samples, target_joint(target, case["prompt"], sampler))
+
+
+@settings(max_examples=max(4, settings.default.max_examples // 100), suppress_health_check=[HealthCheck.too_slow],
+          deadline=None)
+@given(case=sampled_case)
+def test_sampled_output_has_the_targets_exact_distribution(case):
+    assert sampled_pvalue(case) > 1e-4, case
+
+
+def test_the_distribution_test_fails_a_wrong_acceptance_rule(monkeypatch):
+    """Negative control: "accept if r < p" (not min(1, p/q)) in the same engine, on the same kind of case."""
+    from specdraft.decode import engine
+
+    def accept_if_r_below_p(proposal, logits, sampler, generator):
+        p = sampler.probs(logits)  # (k + 1, V)
+        for i, token in enumerate(proposal.tokens):
+            if torch.rand((), generator=generator) >= p[i, token]:
+                return i, int(torch.multinomial(p[i], 1, generator=generator))
+        return len(proposal.tokens), int(torch.multinomial(p[len(proposal.tokens)], 1, generator=generator))
+
+    case = {"seed": 0, "proposer": "model", "rule": "fixed", "threshold": 0.5, "max_ngram": 1, "num_draft": 2,
+            "backend": "hf", "temperature": 0.6, "top_k": 0, "top_p": 1.0, "prompt": [3, 5, 3, 5]}
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *_: None)  # hypothesis records events in tests only
+    assert sampled_pvalue(case) > 1e-4  # the right rule passes this case
+    monkeypatch.setattr(engine, "_sampling_step", accept_if_r_below_p)
+    assert sampled_pvalue(case) < 1e-6
