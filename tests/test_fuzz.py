@@ -38,25 +38,30 @@ PROPOSERS = ("none", "ngram", "model", "self", "dspark", "dflash", "dspark_reduc
 RULES = ("fixed", "threshold", "cost")
 
 
-@lru_cache(maxsize=None)
-def world(seed: int):
-    """A tiny target, its fast twin, and drafters for it (cached: building them is most of an example's time)."""
-    target = tiny_llama(seed, vocab_size=VOCAB, layers=1 + seed % 2)
-    torch.manual_seed(100 + seed)
+def build_world(target, drafter_seed: int, other):
+    """The target, its fast twin, drafters for it (dspark, dflash, dspark on every other token) and another model."""
+    vocab_size = target.config.vocab_size
+    torch.manual_seed(drafter_seed)
     drafters = {}
     for name, mode, vocab in (("dspark", "dspark", None), ("dflash", "dflash", None),
-                              ("dspark_reduced", "dspark", torch.arange(0, VOCAB, 2))):  # every other token
+                              ("dspark_reduced", "dspark", torch.arange(0, vocab_size, 2))):
         drafter = BlockDrafter(target.config, 1, 2, block_size=4, mask_token_id=1, mode=mode, markov_rank=4,
                                draft_vocab_ids=vocab).eval()
         drafter.copy_target_weights(target)
         drafters[name] = drafter
-    small = tiny_llama(seed + 7, vocab_size=VOCAB, layers=1)
-    return target, FastTarget(target, "torch"), drafters, small
+    return target, FastTarget(target, "torch"), drafters, other
 
 
-def make_proposer(name: str, seed: int, max_ngram: int):
+@lru_cache(maxsize=None)
+def world(seed: int):
+    """A tiny target and what goes with it (cached: building them is most of an example's time)."""
+    target = tiny_llama(seed, vocab_size=VOCAB, layers=1 + seed % 2)
+    return build_world(target, 100 + seed, tiny_llama(seed + 7, vocab_size=VOCAB, layers=1))
+
+
+def make_proposer(name: str, seed: int, max_ngram: int, worlds=world):
     event(f"proposer: {name}")
-    target, _, drafters, small = world(seed)
+    target, _, drafters, small = worlds(seed)
     if name == "none":
         return NoProposer()
     if name == "ngram":
@@ -196,27 +201,7 @@ SAMPLES = 1500  # generations per example: the batched engine draws them, each w
 def small_world(seed: int):
     """A target over SMALL_VOCAB tokens (so the joint of its first two sampled tokens is 64 cells), and drafters."""
     target = tiny_llama(seed + 20, vocab_size=SMALL_VOCAB, layers=1)
-    torch.manual_seed(120 + seed)
-    drafters = {}
-    for name, mode, vocab in (("dspark", "dspark", None), ("dflash", "dflash", None),
-                              ("dspark_reduced", "dspark", torch.arange(0, SMALL_VOCAB, 2))):
-        drafter = BlockDrafter(target.config, 1, 2, block_size=4, mask_token_id=1, mode=mode, markov_rank=4,
-                               draft_vocab_ids=vocab).eval()
-        drafter.copy_target_weights(target)
-        drafters[name] = drafter
-    return target, FastTarget(target, "torch"), drafters, tiny_llama(seed + 27, vocab_size=SMALL_VOCAB, layers=1)
-
-
-def small_proposer(name: str, seed: int, max_ngram: int):
-    event(f"proposer: {name}")
-    target, _, drafters, other = small_world(seed)
-    if name == "ngram":
-        return NgramProposer(max_ngram, share_stats=False)
-    if name in ("model", "self"):
-        return ModelProposer(other if name == "model" else target)
-    if name == "hybrid":
-        return HybridProposer(NgramProposer(max_ngram, share_stats=False), BlockDrafterProposer(drafters["dspark"], (0, 1)))
-    return BlockDrafterProposer(drafters[name], (0, 1))
+    return build_world(target, 120 + seed, tiny_llama(seed + 27, vocab_size=SMALL_VOCAB, layers=1))
 
 
 @torch.inference_mode()
@@ -248,7 +233,7 @@ sampled_case = st.fixed_dictionaries({
 def sampled_pvalue(case) -> float:
     """Chi-square p-value of the first two tokens of SAMPLES batched generations against the target's joint."""
     target, fast, _, _ = small_world(case["seed"])
-    proposer = small_proposer(case["proposer"], case["seed"], case["max_ngram"])
+    proposer = make_proposer(case["proposer"], case["seed"], case["max_ngram"], worlds=small_world)
     rule = make_rule(case["rule"], proposer, case["threshold"])
     sampler = Sampler(case["temperature"], case["top_k"], case["top_p"])
     num_draft = _num_draft(proposer, case["num_draft"])

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdraft.io.files import current_umask
 from specdraft.io.target import load_target
 from specdraft.models.export import load_drafter, save_drafter
 from specdraft.train.checkpoint import latest_checkpoint
@@ -292,15 +293,9 @@ def test_export_killed_anywhere_leaves_old_new_or_nothing_and_reruns_whole(tiny_
             assert snapshot(dest) == new, (with_old, where, at)
             # and clears the killed writer's leftovers; the export is a plain folder (mkdir's mode, not mkdtemp's 0700)
             assert [p.name for p in dest.parent.iterdir()] == ["export"], (with_old, where, at)
-            assert dest.stat().st_mode & 0o777 == 0o777 & ~umask()
+            assert dest.stat().st_mode & 0o777 == 0o777 & ~current_umask()
         # The kills came before and after the export landed (and the old one was kept until it had).
         assert seen >= ({"old", "new"} if with_old else {"absent"}), (with_old, seen)
-
-
-def umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def prepare(case: Path, signals: Path, old_export: Path | None) -> None:

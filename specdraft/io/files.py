@@ -17,13 +17,20 @@ def write_text_atomically(path: Path, text: str) -> Path:
     return path
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it; set straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # somebody else's process
-        return True
+    except PermissionError:  # alive, somebody else's
+        pass
     return True
 
 
@@ -45,6 +52,7 @@ def move_into_place(new: Path, final: Path) -> Path:
     only once the new one is in place (deleting it where it stood could leave half of it there, which a reader
     would take for whole); a failed rename puts the old one back."""
     new, final = Path(new), Path(final)
+    _clear_leftovers(final)
     aside = final.with_name(f".{final.name}-{os.getpid()}-{new.name.lstrip('.')}.old")
     try:
         if final.exists():
@@ -61,14 +69,11 @@ def move_into_place(new: Path, final: Path) -> Path:
 def write_folder_atomically(final: Path, write) -> Path:
     """Call write(tmp) on a fresh sibling folder, then move it into place as `final` (replacing it). A kill at any
     moment leaves `final` as the old folder, the new one or (between two renames) absent, never a part of either;
-    the next write clears what a killed one left beside it."""
+    the next move clears what a killed writer left beside it."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _clear_leftovers(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-{os.getpid()}-", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the folder is a plain output, as mkdir would make it
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; a plain output folder gets mkdir's mode
     try:
         write(tmp)
         move_into_place(tmp, final)
