@@ -2,10 +2,11 @@
 decode engine's shapes (1-16 new tokens over a KV cache) near this machine's limit.
 
 Why it is faster than calling the HF model (measured on 2-core EPYCs, fp32, docs/results/):
-- Linear layers run on the kernel this machine computes fastest at the engine's row counts, chosen by
-  measurement once per machine (decode/linear_kernels.py): oneDNN with weights reordered once into its
-  blocked layout, or MKL's sgemm over a pre-transposed weight. MKL through `F.linear` (what the HF model
-  calls) picks poor kernels at 2-16 rows on every CPU measured.
+- Linear layers run on the kernel this machine computes fastest at each of the engine's row counts, chosen
+  by measurement once per machine (decode/linear_kernels.py): oneDNN with weights reordered once into its
+  blocked layout, MKL's sgemm over a pre-transposed weight or over one packed for the row count, F.linear.
+  MKL through `F.linear` alone (what the HF model calls) picks poor kernels at 3-16 rows on every CPU
+  measured.
 - QKV and gate/up are one matmul each (their weights concatenated), so each layer reads its input once
   and launches 4 GEMMs instead of 7.
 - The KV cache is preallocated per layer and written in place (DynamicCache concatenates every step, which
@@ -26,7 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdraft.decode.linear_kernels import ROWS, KernelPlan, PackedLinear, plan_for, weight_bytes
+from specdraft.decode.linear_kernels import (EXTRA_LAYOUTS_MAX_MEMORY, ROWS, KernelPlan, PackedLinear, candidates,
+                                             memory_bytes, plan_for, weight_bytes)
 
 # Architectures whose decoder layer is exactly: RMSNorm -> attention (q/k/v/o, RoPE, optional per-head q/k
 # RMSNorm, optional biases) -> residual -> RMSNorm -> SiLU-gated MLP -> residual, with a final RMSNorm.
@@ -244,8 +246,11 @@ class FastTarget:
         head = model.get_output_embeddings()
         shapes = linear_shapes(model)
         # auto on a model of up to 1 GiB of weights: each kernel timed on this very forward (the linears'
-        # cost depends on what else streams through the caches); on larger ones, on stand-in weights.
-        small = weight_bytes(shapes, model.dtype) <= FORWARD_TIMING_MAX_BYTES
+        # cost depends on what else streams through the caches), one twin per kernel held at once; on larger
+        # ones, or where the twins would not fit beside the model, on stand-in weights.
+        size = weight_bytes(shapes, model.dtype)
+        twins = size * len(candidates(model.dtype, model.device))
+        small = size <= FORWARD_TIMING_MAX_BYTES and twins <= EXTRA_LAYOUTS_MAX_MEMORY * memory_bytes()
         self.plan = plan_for(kernel, shapes, model.dtype, model.device,
                              timer=(lambda names: time_forwards(model, names)) if small else None)
         with torch.no_grad():
@@ -268,7 +273,7 @@ class FastTarget:
     def packed_bytes(self) -> int:
         """Memory of the linear weights' kernel layouts, beside the HF model's own weights (the torch
         kernel computes on those)."""
-        layouts = {self.plan.one_row, self.plan.multi_row} - {"torch"}
+        layouts = set(self.plan.kernels) - {"torch"}
         return weight_bytes(linear_shapes(self.model), self.dtype) * len(layouts)
 
     def new_cache(self) -> FastCache:

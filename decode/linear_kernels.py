@@ -3,16 +3,20 @@ that picks them on this machine.
 
 Why a choice at all: which kernel reads a layer's weights fastest at 1-16 rows depends on the CPU and the
 library build, and the difference is most of a decode step. Measured on the embedded target, fp32, 2 threads
-(docs/results/2026-12-02-kernels.md):
+(docs/results/2026-12-02-kernels.md, 2026-12-03-row-kernels.md):
 - 2-core AMD EPYC (Zen5-class): oneDNN with weights reordered once ran every row count from 1 to 16 near
   the time it takes to read them; MKL's sgemm through `F.linear` ran 2-3x slower at 2-16 rows.
 - 2-core Intel Xeon (AVX512-BF16, no AMX): MKL's sgemm over a pre-transposed (in, out) weight read the
   weights for one row near the bandwidth limit, where oneDNN's reordered weights took up to 1.5x longer;
   from 4 rows oneDNN was faster again.
-So the twin times each candidate on the model's own shapes once per machine (a second or two; the decision
-is cached under the specdraft cache, so later runs are deterministic and start at once) and keeps the best
-kernel for one row (a plain step) and the best for several (a verify step). It holds two layouts of the
-weights only when the two differ and the extra copy fits in a quarter of the machine's memory.
+- 2-core Intel Xeon with AMX: MKL's sgemm over weights packed for exactly the row count (`sgemm_pack`,
+  through torch's `_mkl_linear`) beat oneDNN by 10-15% at 4 and 8 rows; at 2 rows `F.linear` itself won.
+So the twin times each candidate on the model's own shapes once per machine (seconds; the decision is cached
+under the specdraft cache, so later runs are deterministic and start at once) and keeps, for each verify
+width it measures (1, 2, 4, 8 rows), the kernel that was fastest there, as long as the layouts of the weights
+it then holds fit in a quarter of the machine's memory and each extra layout saves at least 5% where it is
+used. A width between two measured ones takes the kernel of the next wider one (a kernel packed for 4 rows
+computes 3 by padding a row of zeros); wider than the widest, the best kernel that runs any width.
 
 Every kernel computes y = x @ W.T + b; they differ only in summation order (tests/test_fast_target.py holds
 each to the HF model).
@@ -36,8 +40,8 @@ from specdraft.io.files import write_text_atomically
 
 ROWS = (1, 2, 4, 8)  # a plain step, and the verify widths the schedulers use most
 COLD_BYTES = 96 << 20  # weights materialized per candidate for the measurement: past the last-level cache
-TWO_LAYOUTS_MIN_GAIN = 0.05  # a second layout of the weights must save at least 5% where it is used
-TWO_LAYOUTS_MAX_MEMORY = 0.25  # ... and fit in this share of the machine's memory
+EXTRA_LAYOUT_MIN_GAIN = 0.05  # another layout of the weights must save at least 5% where it is used
+EXTRA_LAYOUTS_MAX_MEMORY = 0.25  # ... and the extra layouts together fit in this share of the machine's memory
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Kernel:
     pack: Callable[[torch.Tensor], torch.Tensor]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.dtype, torch.device], str | None]  # why not here, or None
+    rows: int | None = None  # packed for this many rows: fewer are padded, more fall back to F.linear
 
 
 def onednn_ok(dtype: torch.dtype, device: torch.device) -> bool:
@@ -85,12 +90,42 @@ def _mkl_run(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None)
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
+def _mkl_packed_available(dtype, device):
+    reason = _mkl_available(dtype, device)
+    if reason is None and not hasattr(torch.ops.mkl, "_mkl_linear"):
+        return "this torch build has no MKL packed-sgemm linear (torch.ops.mkl._mkl_linear)"
+    return reason
+
+
+def _mkl_packed(rows: int) -> Kernel:
+    """MKL's sgemm over the weight packed for exactly `rows` rows (sgemm_pack). torch's `_mkl_linear` runs the
+    packed weight only for that many rows and F.linear on the plain weight for any other count, so fewer rows
+    are padded with zeros up to `rows` (the padding costs no weight reads: the step is bandwidth-bound)."""
+
+    def pack(weight: torch.Tensor):
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows), weight
+
+    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+        # x (N, in) -> (N, out); N < rows: padded to (rows, in), the padding's outputs dropped
+        weights, weight = packed
+        n = x.shape[0]
+        if n > rows:
+            return F.linear(x, weight, bias)
+        if n < rows:
+            x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
+        out = torch.ops.mkl._mkl_linear(x, weights, weight, bias, rows)
+        return out if n == rows else out[:n]
+
+    return Kernel(f"mklpack{rows}", pack, run, _mkl_packed_available, rows)
+
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     _onednn(4),
     _onednn(16),
     Kernel("mkl", lambda w: w.t().contiguous(), _mkl_run, _mkl_available),
     # F.linear on the weight as it is: what the HF model runs; the kernel where no other one does.
     Kernel("torch", lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda dtype, device: None),
+    *(_mkl_packed(rows) for rows in (2, 4, 8)),  # one row: `mkl` (measured as fast as one packed for it)
 )}
 KERNEL_CHOICES = ("auto", *KERNELS)
 
@@ -102,24 +137,53 @@ def weight_bytes(shapes: dict[tuple[int, int], int], dtype: torch.dtype) -> int:
 
 def candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
     """The kernels that run here for `dtype`, in the order ties are broken (oneDNN first: it was measured
-    best across row counts on the machines before this choice existed)."""
+    best across row counts on the machines before this choice existed; kernels packed for one row count
+    last, so a kernel that runs every width wins a tie). `torch` (F.linear) is among them where another
+    one runs, and the only one where none does."""
     names = [name for name, kernel in KERNELS.items() if name != "torch" and kernel.available(dtype, device) is None]
-    return names or ["torch"]
+    if not names:
+        return ["torch"]
+    general = [name for name in names if KERNELS[name].rows is None]
+    return [*general, "torch", *(name for name in names if KERNELS[name].rows is not None)]
 
 
 @dataclass
 class KernelPlan:
-    """Which kernel computes a linear layer for one row and which for several, and where that came from."""
+    """Which kernel computes a linear layer at each number of rows, and where that came from.
+
+    one_row: a plain step; by_rows: measured verify width (str, JSON's keys) -> kernel, a width between two
+    of them taking the next wider one's; multi_row: wider than every entry of by_rows (the batched engine,
+    the prefill), or every width above one where by_rows is empty."""
 
     one_row: str
     multi_row: str
     source: str  # "config" (target.kernel), "measured" (just now) or "cached" (an earlier measurement here)
     measured_ms: dict = field(default_factory=dict)  # kernel -> rows -> ms for all the model's linears
     cache_file: str | None = None
+    by_rows: dict = field(default_factory=dict)
+
+    def kernel_for(self, rows: int) -> str:
+        if rows == 1:
+            return self.one_row
+        wider = [int(r) for r in self.by_rows if int(r) >= rows]
+        return self.by_rows[str(min(wider))] if wider else self.multi_row
+
+    @property
+    def kernels(self) -> list[str]:
+        """The distinct kernels (one layout of the weights each) the plan runs."""
+        return list(dict.fromkeys([self.one_row, *self.by_rows.values(), self.multi_row]))
 
     @property
     def label(self) -> str:
-        return self.one_row if self.one_row == self.multi_row else f"{self.one_row} (1 row) + {self.multi_row} (2+ rows)"
+        if len(self.kernels) == 1:
+            return self.one_row
+        if not self.by_rows:
+            return f"{self.one_row} (1 row) + {self.multi_row} (2+ rows)"
+        spans, low = [f"{self.one_row} (1 row)"], 2
+        for rows in sorted(map(int, self.by_rows)):
+            spans.append(f"{self.by_rows[str(rows)]} ({low if low == rows else f'{low}-{rows}'} rows)")
+            low = rows + 1
+        return " + ".join([*spans, f"{self.multi_row} ({low}+ rows)"])
 
     def describe(self) -> dict:
         return asdict(self)
@@ -177,11 +241,18 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def choose(measured: dict[str, dict[str, float]], weight_bytes: int, memory_bytes: int) -> tuple[str, str]:
-    """(one-row kernel, multi-row kernel) from `measured` (kernel -> rows -> ms); one kernel for both unless
-    a second layout saves TWO_LAYOUTS_MIN_GAIN where it is used and fits TWO_LAYOUTS_MAX_MEMORY."""
+def choose(measured: dict[str, dict[str, float]], weight_bytes: int,
+           memory_bytes: int) -> tuple[str, str, dict[str, str]]:
+    """(one-row kernel, kernel past the measured widths, {width: kernel}) from `measured` (kernel -> rows ->
+    ms). It starts from the kernel that is best over one row and the verify widths together (one layout) and
+    gives a width its own fastest kernel where that saves EXTRA_LAYOUT_MIN_GAIN there, the largest savings
+    first, while the layouts beyond the first fit EXTRA_LAYOUTS_MAX_MEMORY of the memory. Past the measured
+    widths it takes a kernel that runs any width (one packed for a row count falls back to F.linear there),
+    the fastest at the widest measured width, on the same terms."""
     names = list(measured)
-    multi_rows = [r for r in next(iter(measured.values())) if r != "1"]
+    widths = list(next(iter(measured.values())))
+    multi_rows = [r for r in widths if r != "1"]
+    general = [n for n in names if n not in KERNELS or KERNELS[n].rows is None] or names
 
     def multi(name):  # mean over the verify widths
         return sum(measured[name][r] for r in multi_rows) / max(len(multi_rows), 1)
@@ -189,18 +260,30 @@ def choose(measured: dict[str, dict[str, float]], weight_bytes: int, memory_byte
     def overall(name):  # a step of one row and a verify step weigh alike
         return measured[name]["1"] + (multi(name) if multi_rows else 0.0)
 
-    single = min(names, key=overall)  # min keeps the first of equals: the registry's order breaks ties
-    one, wide = min(names, key=lambda n: measured[n]["1"]), min(names, key=multi) if multi_rows else single
-    if one == wide or weight_bytes > TWO_LAYOUTS_MAX_MEMORY * memory_bytes:
-        return single, single
-    saves_one = measured[one]["1"] < (1 - TWO_LAYOUTS_MIN_GAIN) * measured[single]["1"]
-    saves_wide = multi(wide) < (1 - TWO_LAYOUTS_MIN_GAIN) * multi(single)
-    if not (saves_one or saves_wide):
-        return single, single
-    return (one if saves_one else single), (wide if saves_wide else single)
+    single = min(general, key=overall)  # min keeps the first of equals: the registry's order breaks ties
+    layouts = 1 + int(EXTRA_LAYOUTS_MAX_MEMORY * memory_bytes // max(weight_bytes, 1))
+    def fits(name, rows):  # a kernel packed for fewer rows only runs F.linear there: the `torch` entry's kernel
+        return name not in KERNELS or KERNELS[name].rows is None or KERNELS[name].rows >= int(rows)
+
+    # (slot, rows timed, kernels)
+    slots = [(rows, rows, [n for n in names if fits(n, rows)]) for rows in widths] + [("wide", widths[-1], general)]
+    picks = {slot: single for slot, _, _ in slots}
+    savings = []
+    for slot, rows, allowed in slots:
+        best = min(allowed, key=lambda n: measured[n][rows])
+        if measured[best][rows] < (1 - EXTRA_LAYOUT_MIN_GAIN) * measured[single][rows]:
+            savings.append((measured[single][rows] - measured[best][rows], slot, best))
+    for _, slot, best in sorted(savings, key=lambda saving: -saving[0]):
+        if len(set(picks.values()) | {best}) <= layouts:
+            picks[slot] = best
+    wide = picks["wide"]
+    by_rows = {rows: picks[rows] for rows in multi_rows}
+    if all(kernel == wide for kernel in by_rows.values()):
+        by_rows = {}  # one kernel above one row: the two-kernel plan of before
+    return picks["1"], wide, by_rows
 
 
-def _memory_bytes() -> int:
+def memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -235,17 +318,19 @@ def auto_plan(shapes: dict[tuple[int, int], int], dtype: torch.dtype, device: to
     if use_cache and path.is_file():
         try:
             saved = json.loads(path.read_text())
-            if saved["one_row"] in names and saved["multi_row"] in names:
-                return KernelPlan(saved["one_row"], saved["multi_row"], "cached", saved["measured_ms"], str(path))
+            by_rows = saved.get("by_rows", {})
+            if {saved["one_row"], saved["multi_row"], *by_rows.values()} <= set(names):
+                return KernelPlan(saved["one_row"], saved["multi_row"], "cached", saved["measured_ms"], str(path), by_rows)
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache entry: measure again and overwrite it
     measured = measure(shapes, dtype, names) if timer is None else timer(names)
-    one, wide = choose(measured, weight_bytes(shapes, dtype), _memory_bytes())
-    plan = KernelPlan(one, wide, "measured", measured, str(path))
+    one, wide, by_rows = choose(measured, weight_bytes(shapes, dtype), memory_bytes())
+    plan = KernelPlan(one, wide, "measured", measured, str(path), by_rows)
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, json.dumps({"one_row": one, "multi_row": wide, "measured_ms": measured}, indent=1))
+            write_text_atomically(path, json.dumps({"one_row": one, "multi_row": wide, "by_rows": by_rows,
+                                                    "measured_ms": measured}, indent=1))
         except OSError:
             plan.cache_file = None  # a read-only cache: the decision still holds for this run
     return plan
@@ -263,17 +348,20 @@ def plan_for(kernel: "str | KernelPlan", shapes: dict[tuple[int, int], int], dty
 
 
 class PackedLinear:
-    """y = x @ W.T + b through the plan's kernels: its one-row kernel for a single row, the other for more."""
+    """y = x @ W.T + b through the plan's kernels: the one it names for the number of rows of x."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan):
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().contiguous()
         weight = weight.detach().contiguous()
-        packs = {name: KERNELS[name].pack(weight) for name in dict.fromkeys((plan.one_row, plan.multi_row))}
-        self.one = (KERNELS[plan.one_row].run, packs[plan.one_row])
-        self.multi = (KERNELS[plan.multi_row].run, packs[plan.multi_row])
+        packs = {name: (KERNELS[name].run, KERNELS[name].pack(weight)) for name in plan.kernels}
+        self.one = packs[plan.one_row]
+        self.multi = packs[plan.multi_row]
+        widest = max(map(int, plan.by_rows), default=1)
+        self.by_rows = {rows: packs[plan.kernel_for(rows)] for rows in range(2, widest + 1)}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x (N, K) -> (N, out)
-        run, packed = self.one if x.shape[0] == 1 else self.multi
+        rows = x.shape[0]
+        run, packed = self.one if rows == 1 else self.by_rows.get(rows, self.multi)
         return run(x, packed, self.bias)

@@ -61,14 +61,18 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
 MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
 
 
-# Every kernel this machine runs, one layout for all row counts, and a plan that switches at two rows.
-KERNEL_CASES = [*candidates(torch.float32, torch.device("cpu")), "torch", "split"]
+# Every kernel this machine runs, one layout for all row counts; a plan that switches at two rows; one with a
+# kernel for each verify width (the last candidates are the packed ones where MKL runs).
+KERNEL_CASES = [*dict.fromkeys([*candidates(torch.float32, torch.device("cpu")), "torch"]), "split", "by-rows"]
 
 
 def fast_target(model, kernel: str) -> FastTarget:
+    names = candidates(torch.float32, torch.device("cpu"))
     if kernel == "split":
-        names = candidates(torch.float32, torch.device("cpu"))
         return FastTarget(model, KernelPlan(names[-1], "torch", "config"))
+    if kernel == "by-rows":
+        return FastTarget(model, KernelPlan(names[0], "torch", "config", by_rows={"2": names[-1], "4": names[0],
+                                                                                  "8": names[-2 % len(names)]}))
     return FastTarget(model, kernel)
 
 

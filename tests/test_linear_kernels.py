@@ -1,5 +1,5 @@
 """The kernel choice of the fast twins: each kernel computes x @ W.T + b, the choice follows the
-measurements (two layouts only when both pay and fit), and the measurement is cached per machine."""
+measurements (another layout only where it pays and fits), and the measurement is cached per machine."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from specdraft.decode import linear_kernels
-from specdraft.decode.linear_kernels import KERNELS, PackedLinear, auto_plan, candidates, choose, fixed_plan, measure
+from specdraft.decode.linear_kernels import (KERNELS, KernelPlan, PackedLinear, auto_plan, candidates, choose,
+                                             fixed_plan, measure)
 
 GiB = 1 << 30
 
 
-@pytest.mark.parametrize("name", [*candidates(torch.float32, torch.device("cpu")), "torch"])
+@pytest.mark.parametrize("name", list(dict.fromkeys([*candidates(torch.float32, torch.device("cpu")), "torch"])))
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_kernel_computes_the_linear_layer(name, bias):
     torch.manual_seed(0)
     weight, b = torch.randn(48, 20), (torch.randn(48) if bias else None)
     linear = PackedLinear(weight, b, fixed_plan(name, torch.float32, torch.device("cpu")))
-    for rows in (1, 2, 5, 17):
+    for rows in (1, 2, 3, 4, 5, 8, 17):  # a kernel packed for some rows pads fewer and falls back for more
         x = torch.randn(rows, 20)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
 
@@ -32,15 +33,61 @@ def table(**rows):
 
 def test_one_kernel_wins_both_or_the_split_pays_and_fits():
     # The same kernel fastest everywhere: one layout.
-    assert choose(table(onednn4=(10, 11, 12, 13), mkl=(12, 14, 16, 18)), GiB, 16 * GiB) == ("onednn4", "onednn4")
+    assert choose(table(onednn4=(10, 11, 12, 13), mkl=(12, 14, 16, 18)), GiB, 16 * GiB) == ("onednn4", "onednn4", {})
     # mkl far faster for one row, oneDNN for several: two layouts, when the copy fits a quarter of memory.
     split = table(onednn4=(20, 21, 22, 23), mkl=(14, 28, 32, 40))
-    assert choose(split, GiB, 16 * GiB) == ("mkl", "onednn4")
-    assert choose(split, GiB, 2 * GiB) == ("onednn4", "onednn4")  # no room: the best single kernel overall
+    assert choose(split, GiB, 16 * GiB) == ("mkl", "onednn4", {})
+    assert choose(split, GiB, 2 * GiB) == ("onednn4", "onednn4", {})  # no room: the best single kernel overall
     # A split that saves under 5% where it is used is not worth a second copy of the weights.
-    assert choose(table(onednn4=(20, 21, 22, 23), mkl=(19.5, 28, 32, 40)), GiB, 16 * GiB) == ("onednn4", "onednn4")
+    assert choose(table(onednn4=(20, 21, 22, 23), mkl=(19.5, 28, 32, 40)), GiB, 16 * GiB) == ("onednn4", "onednn4", {})
     # Ties go to the registry's first candidate.
-    assert choose(table(onednn4=(10, 10, 10, 10), mkl=(10, 10, 10, 10)), GiB, 16 * GiB) == ("onednn4", "onednn4")
+    assert choose(table(onednn4=(10, 10, 10, 10), mkl=(10, 10, 10, 10)), GiB, 16 * GiB) == ("onednn4", "onednn4", {})
+
+
+def test_each_verify_width_gets_its_fastest_kernel_while_the_layouts_fit():
+    measured = table(onednn16=(30, 37, 40, 46), mkl=(28, 44, 44, 56), torch=(29, 30, 46, 59),
+                     mklpack4=(35, 36, 35, 59), mklpack8=(42, 42, 42, 41))
+    # Room for every layout: mkl for one row, F.linear for two, each packed kernel at its own width; past
+    # 8 rows the fastest kernel at 8 of those that run any width (a packed one falls back to F.linear there).
+    assert choose(measured, GiB, 64 * GiB) == ("mkl", "onednn16", {"2": "torch", "4": "mklpack4", "8": "mklpack8"})
+    # Room for two extra layouts: the two largest savings (2 rows, then 4; 8 rows saves as much but comes later).
+    assert choose(measured, GiB, 8 * GiB) == ("onednn16", "onednn16", {"2": "torch", "4": "mklpack4", "8": "onednn16"})
+    # A saving under 5% is not worth a layout: mklpack8 at 45 of 46 ms.
+    measured["mklpack8"]["8"] = 45
+    assert choose(measured, GiB, 64 * GiB)[2]["8"] == "onednn16"
+    # Past the widths, another kernel that runs any width where it is faster there.
+    measured["torch"]["8"] = 40
+    assert choose(measured, GiB, 64 * GiB)[1:] == ("torch", {"2": "torch", "4": "mklpack4", "8": "torch"})
+    # A kernel packed for one width is never the one for all widths, even when it is fastest overall; nor
+    # the one for a wider width, where it only runs F.linear (the torch entry's kernel, timed alike).
+    assert choose(table(mklpack4=(1, 1, 1, 1), torch=(9, 9, 9, 9)), GiB, GiB)[0] == "torch"
+    assert choose(table(mklpack2=(9, 9, 8, 8), torch=(9, 9, 9, 9)), GiB, 64 * GiB) == ("torch", "torch", {})
+
+
+def test_a_plan_names_a_kernel_for_every_width():
+    plan = KernelPlan("mkl", "onednn16", "config", by_rows={"2": "torch", "4": "mklpack4", "8": "mklpack8"})
+    assert [plan.kernel_for(rows) for rows in (1, 2, 3, 4, 5, 8, 9, 300)] == [
+        "mkl", "torch", "mklpack4", "mklpack4", "mklpack8", "mklpack8", "onednn16", "onednn16"]
+    assert plan.kernels == ["mkl", "torch", "mklpack4", "mklpack8", "onednn16"]
+    assert plan.label == "mkl (1 row) + torch (2 rows) + mklpack4 (3-4 rows) + mklpack8 (5-8 rows) + onednn16 (9+ rows)"
+    assert KernelPlan("mkl", "torch", "config").label == "mkl (1 row) + torch (2+ rows)"
+
+
+def test_a_packed_linear_runs_the_kernel_its_plan_names_for_the_rows(monkeypatch):
+    names = [n for n in ("mkl", "torch", "mklpack4") if n in candidates(torch.float32, torch.device("cpu"))]
+    if len(names) < 3:
+        pytest.skip("MKL's kernels do not run here")
+    calls = []
+    for name in names:
+        kernel = KERNELS[name]
+        monkeypatch.setitem(KERNELS, name, kernel.__class__(name, kernel.pack, lambda x, p, b, run=kernel.run, name=name:
+                                                           calls.append(name) or run(x, p, b), kernel.available, kernel.rows))
+    weight = torch.randn(12, 8)
+    linear = PackedLinear(weight, None, KernelPlan("mkl", "torch", "config", by_rows={"2": "torch", "4": "mklpack4"}))
+    for rows in (1, 2, 3, 4, 5, 40):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(linear(x), x @ weight.T, atol=1e-5, rtol=1e-5)
+    assert calls == ["mkl", "torch", "mklpack4", "mklpack4", "torch", "torch"]
 
 
 def test_measure_scales_a_sample_back_to_the_models_counts():
@@ -61,7 +108,8 @@ def test_the_decision_is_cached_and_a_damaged_entry_is_measured_again(monkeypatc
     first = auto_plan(shapes, torch.float32, device)
     second = auto_plan(shapes, torch.float32, device)
     assert (first.source, second.source, len(runs)) == ("measured", "cached", 1)
-    assert (second.one_row, second.multi_row) == (first.one_row, first.multi_row) and second.measured_ms == first.measured_ms
+    assert (second.one_row, second.multi_row, second.by_rows) == (first.one_row, first.multi_row, first.by_rows)
+    assert second.measured_ms == first.measured_ms
     path = tmp_path / next(p.name for p in tmp_path.iterdir())
     path.write_text("{ not json")
     assert auto_plan(shapes, torch.float32, device).source == "measured" and len(runs) == 2
@@ -95,4 +143,4 @@ def test_the_fast_target_times_its_own_forward_with_each_kernel(monkeypatch, tmp
         assert plan.source == "measured" and set(plan.measured_ms) == set(names)
         assert all(set(ms) == {"1", "2", "4", "8"} for ms in plan.measured_ms.values())
         assert FastTarget(tiny_llama(0)).plan.source == "cached"
-    assert plan.one_row in names and plan.multi_row in names
+    assert set(plan.kernels) <= set(names)
