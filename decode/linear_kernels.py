@@ -13,7 +13,7 @@ library build, and the difference is most of a decode step. Measured on the embe
   through torch's `_mkl_linear`) beat oneDNN by 10-15% at 4 and 8 rows; at 2 rows `F.linear` itself won.
 So the twin times each candidate on the model's own shapes once per machine (seconds; the decision is cached
 under the specdraft cache, so later runs are deterministic and start at once) and keeps, for each verify
-width it measures (1, 2, 4, 8 rows), the kernel that was fastest there, as long as the layouts of the weights
+width it measures (ROWS), the kernel that was fastest there, as long as the layouts of the weights
 it then holds fit in a quarter of the machine's memory and each extra layout saves at least 5% where it is
 used. A width between two measured ones takes the kernel of the next wider one (a kernel packed for 4 rows
 computes 3 by padding a row of zeros); wider than the widest, the best kernel that runs any width.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from specdraft.io.files import write_text_atomically
 
-ROWS = (1, 2, 4, 8)  # a plain step, and the verify widths the schedulers use most
+ROWS = (1, 2, 3, 4, 6, 8)  # a plain step, and the verify widths the schedulers use most (5 runs as 6, 7 as 8)
 COLD_BYTES = 96 << 20  # weights materialized per candidate for the measurement: past the last-level cache
 EXTRA_LAYOUT_MIN_GAIN = 0.05  # another layout of the weights must save at least 5% where it is used
 EXTRA_LAYOUTS_MAX_MEMORY = 0.25  # ... and the extra layouts together fit in this share of the machine's memory
@@ -179,11 +179,20 @@ class KernelPlan:
             return self.one_row
         if not self.by_rows:
             return f"{self.one_row} (1 row) + {self.multi_row} (2+ rows)"
-        spans, low = [f"{self.one_row} (1 row)"], 2
+        spans = [[self.one_row, 1, 1]]  # [kernel, from rows, to rows], neighbours of one kernel merged
         for rows in sorted(map(int, self.by_rows)):
-            spans.append(f"{self.by_rows[str(rows)]} ({low if low == rows else f'{low}-{rows}'} rows)")
-            low = rows + 1
-        return " + ".join([*spans, f"{self.multi_row} ({low}+ rows)"])
+            kernel = self.by_rows[str(rows)]
+            if spans[-1][0] == kernel and spans[-1][1] > 1:
+                spans[-1][2] = rows
+            else:
+                spans.append([kernel, spans[-1][2] + 1, rows])
+        cells = [f"{kernel} ({low} row{'s' * (high > 1)})" if low == high else f"{kernel} ({low}-{high} rows)"
+                 for kernel, low, high in spans]
+        if spans[-1][0] == self.multi_row and spans[-1][1] > 1:
+            cells[-1] = f"{self.multi_row} ({spans[-1][1]}+ rows)"
+        else:
+            cells.append(f"{self.multi_row} ({spans[-1][2] + 1}+ rows)")
+        return " + ".join(cells)
 
     def describe(self) -> dict:
         return asdict(self)

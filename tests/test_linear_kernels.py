@@ -71,6 +71,8 @@ def test_a_plan_names_a_kernel_for_every_width():
     assert plan.kernels == ["mkl", "torch", "mklpack4", "mklpack8", "onednn16"]
     assert plan.label == "mkl (1 row) + torch (2 rows) + mklpack4 (3-4 rows) + mklpack8 (5-8 rows) + onednn16 (9+ rows)"
     assert KernelPlan("mkl", "torch", "config").label == "mkl (1 row) + torch (2+ rows)"
+    merged = KernelPlan("mkl", "onednn16", "config", by_rows={"2": "torch", "3": "torch", "4": "mklpack4", "6": "onednn16", "8": "onednn16"})
+    assert merged.label == "mkl (1 row) + torch (2-3 rows) + mklpack4 (4 rows) + onednn16 (5+ rows)"
 
 
 def test_a_packed_linear_runs_the_kernel_its_plan_names_for_the_rows(monkeypatch):
@@ -141,6 +143,6 @@ def test_the_fast_target_times_its_own_forward_with_each_kernel(monkeypatch, tmp
     names = candidates(torch.float32, torch.device("cpu"))
     if len(names) > 1:
         assert plan.source == "measured" and set(plan.measured_ms) == set(names)
-        assert all(set(ms) == {"1", "2", "4", "8"} for ms in plan.measured_ms.values())
+        assert all(set(ms) == {str(rows) for rows in linear_kernels.ROWS} for ms in plan.measured_ms.values())
         assert FastTarget(tiny_llama(0)).plan.source == "cached"
     assert set(plan.kernels) <= set(names)
