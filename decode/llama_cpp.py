@@ -4,8 +4,11 @@ that tree's own converter, and `llama-speculative-simple` runs parsed into count
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,9 +24,27 @@ def source_dir() -> Path:
     return cache / f"llama.cpp-{LLAMA_VERSION}"
 
 
+def cpu_key() -> str:
+    """Which CPU a build is for: scripts/build_llama_cpp.sh compiles for the machine it runs on (GGML_NATIVE),
+    and the cache outlives machines (a home folder moved to another CPU), so each CPU gets its own build;
+    a binary built for another one dies of an illegal instruction."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), [])
+        described = f"{model}|{' '.join(sorted(flags))}"
+    except OSError:
+        described = f"{platform.machine()}|{platform.processor()}"
+    return hashlib.sha256(described.encode()).hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    return source_dir() / f"build-{cpu_key()}"
+
+
 def bin_dir() -> Path | None:
-    """The folder of scripts/build_llama_cpp.sh's binaries, or None where they were not built."""
-    folder = source_dir() / "build" / "bin"
+    """The folder of scripts/build_llama_cpp.sh's binaries for this CPU, or None where they were not built."""
+    folder = build_dir() / "bin"
     return folder if all((folder / name).is_file() for name in NEEDED) else None
 
 
@@ -50,6 +71,16 @@ def convert_to_gguf(model_dir: str | Path, out: Path, target_dir: str | Path | N
     return out
 
 
+def exit_reason(code: int) -> str:
+    """A binary's exit status in words; an illegal instruction names its likely cause and the fix."""
+    if code in (-signal.SIGILL, 128 + signal.SIGILL):
+        return (f"exit {code}: illegal instruction, a build for another CPU; rebuild for this one with "
+                "bash scripts/build_llama_cpp.sh")
+    if code < 0:
+        return f"exit {code}: killed by {signal.Signals(-code).name}"
+    return f"exit {code}"
+
+
 @dataclass
 class SpeculativeRun:
     """One `llama-speculative-simple` run's counts, as it prints them."""
@@ -71,7 +102,7 @@ def speculative_simple(binaries: Path, args: list[str], prompt: str) -> Speculat
                           text=True, timeout=600)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-speculative-simple failed (exit {proc.returncode}): {log[-600:]}")
+        raise RuntimeError(f"llama-speculative-simple failed ({exit_reason(proc.returncode)}): {log[-600:]}")
     run = SpeculativeRun()
     if enc := re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) s", log):
         run.encoded, run.encode_s = int(enc.group(1)), float(enc.group(2))

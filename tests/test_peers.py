@@ -61,3 +61,28 @@ def test_peers_methods_subset_compares_with_plain(tiny_model_dir, prompts_file, 
     rows = json.loads((tmp_path / "sub" / "peers.json").read_text())["rows"]
     assert {k for k in rows if not k.startswith("llama_cpp")} == {"ours_plain", "ours_ngram"}
     assert rows["ours_ngram"]["equal_to_plain"] is True and rows["ours_ngram"]["equal_to_hf_generate"] is None
+
+
+def test_llama_cpp_builds_are_kept_per_cpu_and_a_foreign_one_is_named(monkeypatch, tmp_path):
+    """The build compiles for its machine's CPU and the cache outlives machines: a build made on another CPU
+    is not this one's (it died of an illegal instruction when it was), and such a death says what to do."""
+    import signal
+    from pathlib import Path
+
+    from specdraft.decode import llama_cpp
+
+    cpuinfo = tmp_path / "cpuinfo"
+    real_read = Path.read_text
+
+    def keyed(flags):
+        cpuinfo.write_text(f"model name\t: Intel(R) Xeon(R)\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real_read(cpuinfo if str(self) == "/proc/cpuinfo" else self, *a, **k))
+        return llama_cpp.cpu_key()
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    here, other = keyed("fpu avx2 avx512f amx_tile"), keyed("fpu avx2")
+    assert here != other and keyed("avx512f fpu amx_tile avx2") == here  # flags in any order: one CPU
+    assert llama_cpp.build_dir().name == f"build-{here}" and llama_cpp.bin_dir() is None
+    assert "illegal instruction" in llama_cpp.exit_reason(-signal.SIGILL)
+    assert "bash scripts/build_llama_cpp.sh" in llama_cpp.exit_reason(128 + signal.SIGILL)
+    assert llama_cpp.exit_reason(-signal.SIGSEGV) == f"exit {-signal.SIGSEGV}: killed by SIGSEGV"
