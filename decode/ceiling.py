@@ -57,13 +57,14 @@ def oracle_steps(prompt: list[int], output: list[int], drafts: Drafts, max_draft
     return fed
 
 
-def ceiling(samples: Iterable[tuple[list[int], list[int]]], drafts: Drafts, verify_s: Callable[[int], float],
+def ceiling(samples: Iterable[tuple[list[int], list[int]]], drafts: Drafts, verify_s: Callable[[int], float] | None,
             max_draft: int) -> dict:
-    """tau and the speedup ceilings (measured curve `verify_s(tokens)` and flat) over (prompt, output) pairs."""
+    """tau and the speedup ceilings (measured curve `verify_s(tokens)` and flat) over (prompt, output) pairs;
+    verify_s None (no measured price for such long verifies): the measured-curve ceiling is None."""
     fed = [n for prompt, output in samples for n in oracle_steps(list(prompt), list(output), drafts, max_draft)]
     if not fed:
         raise ValueError("no output tokens to bound: the samples are empty")
-    tokens, one = sum(fed), verify_s(1)
+    tokens = sum(fed)
+    measured = None if verify_s is None else tokens * verify_s(1) / sum(verify_s(n) for n in fed)
     return {"tau": tokens / len(fed), "steps": len(fed), "tokens": tokens,
-            "speedup_measured_curve": tokens * one / sum(verify_s(n) for n in fed),
-            "speedup_flat_curve": tokens / len(fed)}
+            "speedup_measured_curve": measured, "speedup_flat_curve": tokens / len(fed)}

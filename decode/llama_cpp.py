@@ -31,15 +31,34 @@ def cpu_key() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), [])
-        described = f"{model}|{' '.join(sorted(flags))}"
+        described = f"{model}|{' '.join(sorted(_cpu_flags()))}"
     except OSError:
         described = f"{platform.machine()}|{platform.processor()}"
     return hashlib.sha256(described.encode()).hexdigest()[:12]
 
 
+def cmake_flags() -> list[str]:
+    """scripts/build_llama_cpp.sh's configuration. Native code for this CPU, but not ggml's AMX matmul: in this
+    version its batched path dies at `ldtilecfg` (SIGSEGV, or SIGILL) on the 2-core AMX Xeons measured
+    (2026-12-03), while llama-bench's one-token path ran; the AVX-512 kernels serve those CPUs."""
+    off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    amx = any(flag.startswith("amx") for flag in _cpu_flags())
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DGGML_NATIVE=ON", *([f"-DCMAKE_C_FLAGS={off}", f"-DCMAKE_CXX_FLAGS={off}"] if amx else [])]
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), [])
+
+
 def build_dir() -> Path:
-    return source_dir() / f"build-{cpu_key()}"
+    """This CPU's build of this configuration (either changing builds anew)."""
+    recipe = hashlib.sha256(" ".join(cmake_flags()).encode()).hexdigest()[:6]
+    return source_dir() / f"build-{cpu_key()}-{recipe}"
 
 
 def bin_dir() -> Path | None:

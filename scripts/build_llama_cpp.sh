@@ -2,8 +2,8 @@
 # Build llama.cpp (the CPU peer of scripts/peers.py) from the source tree that the PyPI sdist of
 # llama-cpp-python vendors, once, into the specdraft cache (SPECDRAFT_CACHE, default ~/.cache/specdraft).
 # Prints the folder holding the binaries. About 15 minutes on 2 cores the first time; a no-op after.
-# It compiles for this machine's CPU (GGML_NATIVE), so each CPU gets its own build folder
-# (build-KEY, KEY from decode/llama_cpp.py's cpu_key): a cache carried to another CPU builds again.
+# It compiles for this machine's CPU (GGML_NATIVE; the flags: decode/llama_cpp.py's cmake_flags), so each CPU
+# and configuration gets its own build folder (its build_dir): a cache carried to another CPU builds again.
 # Usage: bash scripts/build_llama_cpp.sh [VERSION]   (default 0.3.36)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,8 @@ ROOT="$CACHE/llama.cpp-$VERSION"
 TARGETS=(llama-bench llama-speculative-simple)
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-BUILD="$ROOT/build-$("$PY" -c "from specdraft.decode.llama_cpp import cpu_key; print(cpu_key())")"
+BUILD=$("$PY" -c "from specdraft.decode.llama_cpp import build_dir; print(build_dir())")
+mapfile -t FLAGS < <("$PY" -c "from specdraft.decode.llama_cpp import cmake_flags; print(*cmake_flags(), sep='\n')")
 BIN="$BUILD/bin"
 # The tree's convert_hf_to_gguf.py (bench.mode=check converts exports with it) imports sentencepiece
 # before it falls back to tokenizer.json.
@@ -29,7 +30,6 @@ if [ ! -f "$ROOT/CMakeLists.txt" ]; then
   mkdir -p "$CACHE"
   rm -rf "$ROOT.tmp" && mv "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$ROOT.tmp" && mv "$ROOT.tmp" "$ROOT"
 fi
-cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >&2
+cmake -S "$ROOT" -B "$BUILD" "${FLAGS[@]}" >&2
 cmake --build "$BUILD" -j"$(nproc)" --target "${TARGETS[@]}" >&2
 echo "$BIN"

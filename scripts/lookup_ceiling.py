@@ -5,7 +5,8 @@ could have gained with the lookup's drafts, priced on the run's measured verify 
 
 RUN is a `decode/bench.py` output folder (results.json, samples.jsonl) of a greedy run (T=0: its outputs are
 the target's own, whichever proposer ran). The lookup is configured as the run's proposer.max_ngram and
-min_ngram (3 and 1 where the run had another proposer); --max-draft defaults to the run's decode.num_draft.
+min_ngram (3 and 1 where the run had another proposer); --max-draft defaults to the run's decode.num_draft (longer
+drafts than the run's profile priced get τ and the flat-curve ceiling only).
 Prints the table and writes RUN/ceiling.json. Compare the ceilings with the run's speedup_vs_plain.
 """
 
@@ -48,8 +49,8 @@ def main() -> None:
     lookup = config["proposer"] if config["proposer"]["name"] == "ngram" else {"max_ngram": 3, "min_ngram": 1}
     profile = CostProfile(**json.loads(Path(summary["profile"]["path"]).read_text()))
     measured = len(profile.verify["single"]["1"])  # verify lengths the profile measured (1 .. num_draft + 1)
-    max_draft = min(args.max_draft or config["decode"]["num_draft"], measured - 1)
-    price = lambda tokens: profile.verify_s(1, tokens)  # noqa: E731
+    max_draft = args.max_draft or config["decode"]["num_draft"]
+    price = (lambda tokens: profile.verify_s(1, tokens)) if max_draft < measured else None  # noqa: E731
     result = {"run": str(args.run), "max_draft": max_draft, "lookup": {k: lookup[k] for k in ("max_ngram", "min_ngram")},
               "verify_ms": [round(1000 * s, 2) for s in profile.verify["single"]["1"]],
               "run_speedup_vs_plain": summary.get("speedup_vs_plain"), "run_tau": summary.get("tau"),
@@ -60,7 +61,9 @@ def main() -> None:
     print(f"  the run:                      tau {result['run_tau']:.3f}  speedup vs plain {result['run_speedup_vs_plain']:.3f}")
     for name in ("lookup_oracle", "every_occurrence_oracle"):
         bound = result[name]
-        print(f"  {name:<28}  tau {bound['tau']:.3f}  ceiling on the measured curve {bound['speedup_measured_curve']:.3f}"
+        on_curve = bound["speedup_measured_curve"]
+        on_curve = "unpriced" if on_curve is None else f"{on_curve:.3f}"
+        print(f"  {name:<28}  tau {bound['tau']:.3f}  ceiling on the measured curve {on_curve}"
               f"  on a flat curve {bound['speedup_flat_curve']:.3f}")
     write_text_atomically(args.run / "ceiling.json", json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.run / 'ceiling.json'}")

@@ -6,8 +6,10 @@ plain / ngram / drafter / hybrid decoding, and llama.cpp on the same GGUF.
 
 Per prompt, every Python method runs interleaved (order rotated; decode/bench.py's run_interleaved), so
 each ratio comes from one stretch of time. The llama.cpp rows run its own binaries on the same chat-formatted
-prompts after that: `llama-speculative-simple` with `--spec-type none` (plain decoding) and with
-`--spec-type ngram-simple` (its prompt lookup, set to our lookup's n-gram size and draft length), and `llama-bench` for its batched-forward curve at depth 300 (the cost of verifying k
+prompts after that: `llama-speculative-simple` with `--spec-type ngram-simple` at its longest n-gram, 1024 tokens,
+which cannot recur in these contexts (plain decoding in the same binary and loop; `--spec-type none` refuses to
+start: "failed to initialize speculative decoding"; the row fails if anything was drafted) and set to our lookup's
+n-gram size and draft length (its prompt lookup), and `llama-bench` for its batched-forward curve at depth 300 (the cost of verifying k
 tokens). They come from scripts/build_llama_cpp.sh's cache; where it is absent the rows say "not built"
 (nothing here builds it). llama.cpp computes the Q4_1 GGUF with quantized dot products, so its tokens are
 not the float32 target's: its rows report speed, not exactness.
@@ -111,6 +113,9 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
     return methods, described
 
 
+PLAIN_NGRAM = 1024  # llama.cpp's longest ngram-simple n-gram: recurs only in contexts of 2048+ tokens
+
+
 def llama_rows(args, texts: list[str], bin_dir: Path | None) -> dict:
     """llama.cpp's plain and prompt-lookup decoding on the same prompts, and its batched-forward curve."""
     from specdraft.io.target import _gguf_file
@@ -125,13 +130,19 @@ def llama_rows(args, texts: list[str], bin_dir: Path | None) -> dict:
     lookup = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.max_ngram),
               "--spec-ngram-simple-size-m", str(args.num_draft), "--spec-draft-n-max", str(args.num_draft)]
     rows = {}
-    for name, extra in (("llama_cpp_plain", ["--spec-type", "none"]), ("llama_cpp_ngram", lookup)):
+    never = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(PLAIN_NGRAM),
+             "--spec-ngram-simple-size-m", str(args.num_draft), "--spec-draft-n-max", str(args.num_draft)]
+    for name, extra in (("llama_cpp_plain", never), ("llama_cpp_ngram", lookup)):
         try:
             runs = [llama_cpp.speculative_simple(bin_dir, [*common, *extra], text) for text in texts]
         except RuntimeError as error:
             rows[name] = {"status": str(error)}
             continue
         total = sum(runs, llama_cpp.SpeculativeRun())
+        if name == "llama_cpp_plain" and total.drafted:
+            rows[name] = {"status": f"not plain decoding: a {PLAIN_NGRAM}-token n-gram recurred and {total.drafted} "
+                                    "tokens were drafted (contexts of 2048+ tokens)"}
+            continue
         rows[name] = {"status": "ran", "decode_tokens_per_s": total.decoded / total.decode_s if total.decode_s else None,
                       "tokens_per_s": total.decoded / (total.decode_s + total.encode_s) if total.decode_s else None,
                       "prefill_s": total.encode_s / len(texts), "tokens": total.decoded, "drafted": total.drafted,
@@ -263,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                                   tokenize=False) for p in prompts]
     rows.update(llama_rows(args, texts, llama_cpp.bin_dir()))
-    described["llama_cpp_plain"] = "llama-speculative-simple --spec-type none on the Q4_1 GGUF"
+    described["llama_cpp_plain"] = (f"llama-speculative-simple on the Q4_1 GGUF, ngram-simple with a {PLAIN_NGRAM}-token "
+                                     "n-gram (never matches here: plain decoding, 0 drafted)")
     described["llama_cpp_ngram"] = (f"llama-speculative-simple --spec-type ngram-simple, n-gram {args.max_ngram}, "
                                     f"{args.num_draft} drafted tokens")
     summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

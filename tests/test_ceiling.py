@@ -49,8 +49,13 @@ def test_the_script_bounds_a_benchmark_folder_and_refuses_a_sampled_run(tmp_path
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "lookup_ceiling.py"), str(run)],
                           capture_output=True, text=True, check=True)
     written = json.loads((run / "ceiling.json").read_text())
-    # The profile measured verifies of up to 3 tokens, so drafts stop at 2: steps feed 1, then 3 (2 3 drafted).
-    assert written["max_draft"] == 2 and written["lookup_oracle"]["tau"] == 2.0
+    # The profile prices verifies of up to 3 tokens, the run drafted up to 4: tau and the flat ceiling only.
+    assert written["max_draft"] == 4 and written["lookup_oracle"]["tau"] == 2.0
+    assert written["lookup_oracle"]["speedup_measured_curve"] is None and "unpriced" in done.stdout
+    subprocess.run([sys.executable, str(REPO / "scripts" / "lookup_ceiling.py"), str(run), "--max-draft", "2"], check=True,
+                   capture_output=True)
+    written = json.loads((run / "ceiling.json").read_text())
+    # Drafts of up to 2: steps feed 1, then 3 (2 3 drafted and accepted), priced 10 and 12 ms.
     assert written["lookup_oracle"]["speedup_measured_curve"] == pytest.approx(4 * 0.010 / (0.010 + 0.012))
     assert "every_occurrence_oracle" in done.stdout
     config["decode"]["temperature"] = 1.0
