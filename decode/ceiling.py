@@ -11,6 +11,9 @@ earlier occurrence of the last token, the continuation that matches longest (a t
 verified for the price of one branch): a ceiling for multi-candidate lookup too.
 
 Drafting is priced at zero and the decode loop's own overhead is left out, so real runs stay below these.
+decode/oracle.py bounds any drafter from the steps fixed-length runs took (their anchors, from a sweep); lookup's
+drafts are a function of the context alone, so here the oracle's own schedule is replayed over the outputs,
+from one greedy run of any proposer.
 """
 
 from __future__ import annotations
