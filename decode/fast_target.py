@@ -271,10 +271,16 @@ class FastTarget:
         return {"name": self.name, "kernel": self.plan.label, "kernels": self.plan.describe()}
 
     def packed_bytes(self) -> int:
-        """Memory of the linear weights' kernel layouts, beside the HF model's own weights (the torch
-        kernel computes on those)."""
-        layouts = set(self.plan.kernels) - {"torch"}
-        return weight_bytes(linear_shapes(self.model), self.dtype) * len(layouts)
+        """Memory the linear layers hold beside the HF model's own weights (which the HF reference path, HF
+        baselines and training keep): each kernel's layout, and the fused QKV and gate/up weights that the
+        `torch` and packed-MKL kernels compute on or fall back to."""
+        own = {p.data_ptr() for p in self.model.parameters()}
+        held = {id(t): t for linear in self._linears() for t in linear.held()}.values()
+        return sum(t.numel() * t.element_size() for t in held
+                   if t.layout != torch.strided or t.data_ptr() not in own)
+
+    def _linears(self) -> list[PackedLinear]:
+        return [self.head, *(linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))]
 
     def new_cache(self) -> FastCache:
         return FastCache(len(self.layers))

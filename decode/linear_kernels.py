@@ -369,6 +369,14 @@ class PackedLinear:
         widest = max(map(int, plan.by_rows), default=1)
         self.by_rows = {rows: packs[plan.kernel_for(rows)] for rows in range(2, widest + 1)}
 
+    def held(self) -> list[torch.Tensor]:
+        """Every tensor the kernels' layouts hold (the contiguous weight some keep beside a packing included)."""
+        tensors = {}
+        for _, packed in [self.one, self.multi, *self.by_rows.values()]:
+            for tensor in packed if isinstance(packed, tuple) else (packed,):
+                tensors[id(tensor)] = tensor
+        return list(tensors.values())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x (N, K) -> (N, out)
         rows = x.shape[0]

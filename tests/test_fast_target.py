@@ -272,3 +272,23 @@ def test_target_kernel_names_are_checked_and_a_kernel_that_cannot_run_is_refused
     with pytest.raises(ValueError, match="target.kernel=mkl cannot run here: .*float32 only.*target.kernel=auto"):
         FastTarget(tiny_llama(0).to(torch.bfloat16), "mkl")
     assert FastTarget(tiny_llama(0), "torch").describe()["kernel"] == "torch"
+
+
+def test_the_memory_it_reports_is_what_its_layouts_hold():
+    """fast_backend_weights (results.json, the server's memory gauge): every kernel layout beside the HF
+    model's weights, the fused QKV and gate/up copies included, the model's own tensors not."""
+    from specdraft.decode.fast_target import linear_shapes
+    from specdraft.decode.linear_kernels import weight_bytes
+
+    model = tiny_llama(0)
+    every = weight_bytes(linear_shapes(model), model.dtype)
+    layer = model.model.layers[0]
+    fused = sum(sum(m.weight.numel() for m in group) for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj,
+                layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))) * len(model.model.layers) * 4
+    # F.linear on the model's weights: only the concatenated QKV and gate/up matrices are new.
+    assert FastTarget(model, "torch").packed_bytes() == fused
+    names = candidates(torch.float32, torch.device("cpu"))
+    if "mkl" in names:  # a transposed copy of every linear layer
+        assert FastTarget(model, "mkl").packed_bytes() == every
+    if "mklpack4" in names:  # MKL's packing, and the fused weights it falls back to
+        assert FastTarget(model, "mklpack4").packed_bytes() >= every + fused
