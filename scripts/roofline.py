@@ -63,7 +63,7 @@ def target_shapes(config) -> dict[str, tuple[int, int]]:
 def gemm_table(shapes: dict, dtype: torch.dtype, rows: list[int], repeats: int) -> dict:
     """GFLOP/s per kernel, shape and row count (weights hot in cache: the compute side of the roofline)."""
     table = {}
-    for name, (out_features, in_features) in shapes.items():
+    for shape, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features).to(dtype)
         kernels = {}
         for name in (*candidates(dtype, torch.device("cpu")), "torch"):  # torch = F.linear, what HF runs
@@ -75,9 +75,9 @@ def gemm_table(shapes: dict, dtype: torch.dtype, rows: list[int], repeats: int) 
                 try:
                     seconds = fastest(lambda: fn(x), repeats)
                 except RuntimeError as err:  # a kernel this build or CPU does not offer for the dtype
-                    table.setdefault(kernel, {}).setdefault(name, {})[str(m)] = f"unavailable: {str(err)[:80]}"
+                    table.setdefault(kernel, {}).setdefault(shape, {})[str(m)] = f"unavailable: {str(err)[:80]}"
                     continue
-                table.setdefault(kernel, {}).setdefault(name, {})[str(m)] = 2 * m * out_features * in_features / seconds / 1e9
+                table.setdefault(kernel, {}).setdefault(shape, {})[str(m)] = 2 * m * out_features * in_features / seconds / 1e9
     return table
 
 

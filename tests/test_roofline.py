@@ -33,3 +33,15 @@ def test_floor_is_the_weight_stream_then_the_flops():
     fast = [roofline.floor_ms(config, torch.float32, 300, k, 10.0, 1e6) for k in (1, 8)]
     assert fast[1] / fast[0] < 1.1
     assert roofline.floor_ms(config, torch.bfloat16, 300, 1, 10.0, 1e6) == pytest.approx(fast[0] / 2)
+
+
+def test_gemm_table_is_keyed_by_kernel_then_shape_then_rows():
+    """Every kernel's throughput is recorded under each shape's own name (the plot and later issues read it)."""
+    shapes = {"o": (32, 32), "down": (32, 64)}
+    table = roofline.gemm_table(shapes, torch.float32, [1, 2], repeats=1)
+    assert "torch" in table
+    for kernel, by_shape in table.items():
+        assert set(by_shape) == set(shapes), kernel
+        for rows in by_shape.values():
+            assert set(rows) == {"1", "2"}
+            assert all(isinstance(v, str) or v > 0 for v in rows.values())
