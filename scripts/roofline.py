@@ -180,20 +180,22 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = result["contexts"]
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
-    for ax, context in zip(axes[0], map(str, contexts)):
-        for dtype, entry in result["dtypes"].items():
+    # One row per dtype, one column per context: every backend keeps its colour across the panels.
+    contexts, dtypes = result["contexts"], list(result["dtypes"])
+    fig, axes = plt.subplots(len(dtypes), len(contexts), figsize=(5 * len(contexts), 4 * len(dtypes)), squeeze=False)
+    for row, dtype in zip(axes, dtypes):
+        entry = result["dtypes"][dtype]
+        for ax, context in zip(row, map(str, contexts)):
             tokens = [int(k) for k in entry["floor_ms"][context]]
-            ax.plot(tokens, list(entry["floor_ms"][context].values()), "--", label=f"floor {dtype}")
+            ax.plot(tokens, list(entry["floor_ms"][context].values()), "k--", label="floor")
             for backend, curves in entry["backends"].items():
-                ax.plot(tokens, list(curves[context].values()), marker="o", label=f"{backend} {dtype}")
-        ax.set_title(f"context {context}")
-        ax.set_xlabel("new tokens in the forward")
-        ax.set_ylabel("ms")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+                ax.plot(tokens, list(curves[context].values()), marker="o", label=backend)
+            ax.set_title(f"{dtype}, context {context}")
+            ax.set_xlabel("new tokens in the forward")
+            ax.set_ylabel("ms")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
     fig.suptitle(f"{result['target']} verify step, {result['machine']['threads']} threads, {result['machine']['cpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
