@@ -326,3 +326,34 @@ def test_the_realized_record_backs_off_a_drafter_that_promises_and_sampling_stay
     assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
     steps = sum(len(run.drafted) for run in runs)  # the promise alone would draft on nearly every one
     assert PromisingDrafter.calls < 0.7 * steps
+
+
+def test_a_noisy_profile_is_priced_non_decreasing_in_length():
+    """A measured verify curve where 2 tokens cost more than 3 (noise on a shared host: 36.0 / 38.8 / 34.7 ms)
+    is priced by its suffix minimum, so the cost rule does not stop at the noisy point; the file keeps the
+    measurement."""
+    from specdraft.decode.profile import CostProfile
+
+    verify = [0.0360, 0.0388, 0.0347, 0.0366, 0.0385]
+    profile = CostProfile(fingerprint={}, verify={"single": {"1": list(verify)}}, draft=[0.001, 0.003, 0.002, 0.004],
+                          context_length=256, by_context={"64": {"verify": [0.03, 0.04, 0.03, 0.035, 0.036],
+                                                                 "draft": [0.001] * 4}})
+    priced = [profile.verify_s(1, n) for n in range(1, 6)]
+    assert priced == pytest.approx([0.0347, 0.0347, 0.0347, 0.0366, 0.0385])
+    assert [profile.draft_s(n) for n in range(4)] == pytest.approx([0.001, 0.002, 0.002, 0.004])
+    assert profile.verify_s(1, 2, context=64) == pytest.approx(0.03)
+    assert profile.to_json()["verify"]["single"]["1"] == verify
+    # One drafted position with confidence 0.05 pays on the priced curve (2 tokens cost what 1 does) ...
+    profile.draft = [0.0] * 4
+    assert CostRule(profile, max_skip=0).verify([0.05])
+
+
+def test_the_raw_noisy_curve_would_stop_the_cost_rule(monkeypatch):
+    """Negative control of the test above: priced as measured, the noisy 2-token point (7.8% over a plain step)
+    makes the rule decline a position that survives 5% of the time."""
+    from specdraft.decode import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "suffix_min", list)
+    profile = profile_module.CostProfile(fingerprint={}, verify={"single": {"1": [0.0360, 0.0388, 0.0347, 0.0366]}},
+                                         draft=[0.0] * 4, context_length=256)
+    assert not CostRule(profile, max_skip=0).verify([0.05])
