@@ -2,7 +2,7 @@
 plain / ngram / drafter / hybrid decoding, and llama.cpp on the same GGUF.
 
     python scripts/peers.py [--drafter EXPORT] [--data mtbench] [--categories coding extraction math]
-                            [--num-prompts 20] [--max-new-tokens 128] [--out docs/results/peers]
+                            [--num-prompts 20] [--spread] [--max-new-tokens 128] [--out docs/results/peers]
 
 Per prompt, every Python method runs interleaved (order rotated; decode/bench.py's run_interleaved), so
 each ratio comes from one stretch of time. The llama.cpp rows run its own binaries on the same chat-formatted
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-path", default=None)
     parser.add_argument("--categories", nargs="*", default=None)
     parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--spread", action="store_true",
+                        help="the N prompts evenly spaced over the source (every chosen MT-bench category), not the first N")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-draft", type=int, default=4)
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = build_backend(target.model)
     stop = eos_ids(target)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop[0]
-    prompts = load_prompts(args.data, args.data_path, args.num_prompts, categories=args.categories)
+    prompts = load_prompts(args.data, args.data_path, args.num_prompts, categories=args.categories, spread=args.spread)
     encoded = [chat_prompt_ids(target.tokenizer, p["prompt"]) for p in prompts]
     methods, described = python_methods(args, target, backend, stop, pad)
     if args.methods is not None:

@@ -55,10 +55,12 @@ def test_peers_table_on_a_tiny_target(tiny_model_dir, prompts_file, tmp_path):
 
 
 def test_peers_methods_subset_compares_with_plain(tiny_model_dir, prompts_file, tmp_path):
-    run_peers(tiny_model_dir, prompts_file, "--methods", "ours_ngram", "--out", str(tmp_path / "sub"))
+    run_peers(tiny_model_dir, prompts_file, "--methods", "ours_ngram", "--spread", "--out", str(tmp_path / "sub"))
     with pytest.raises(SystemExit, match="unknown"):
         run_peers(tiny_model_dir, prompts_file, "--methods", "ours_nothing", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "sub" / "peers.json").read_text())["rows"]
+    summary = json.loads((tmp_path / "sub" / "peers.json").read_text())
+    assert summary["settings"]["spread"] is True  # the prompts taken evenly over the source (load_prompts' spread)
+    rows = summary["rows"]
     assert {k for k in rows if not k.startswith("llama_cpp")} == {"ours_plain", "ours_ngram"}
     assert rows["ours_ngram"]["equal_to_plain"] is True and rows["ours_ngram"]["equal_to_hf_generate"] is None
 
