@@ -357,3 +357,19 @@ def test_the_raw_noisy_curve_would_stop_the_cost_rule(monkeypatch):
     profile = profile_module.CostProfile(fingerprint={}, verify={"single": {"1": [0.0360, 0.0388, 0.0347, 0.0366]}},
                                          draft=[0.0] * 4, context_length=256)
     assert not CostRule(profile, max_skip=0).verify([0.05])
+
+
+def test_priced_curves_are_memoized_and_a_replaced_curve_is_priced_anew():
+    """The profile memoizes its priced curves per context (a scheduler asks a dozen times a step); replacing a
+    field (as tests and a re-measured profile do) drops the memo, so prices never go stale."""
+    profile = context_profile()
+    before = [profile.verify_s(1, n, context=40) for n in (1, 2, 3)], profile.draft_s(2, context=40)
+    assert [profile.verify_s(1, n, context=40) for n in (1, 2, 3)] == before[0]
+    profile.draft = [x * 10 for x in profile.draft]
+    profile.by_context = {c: {"verify": [2 * x for x in curves["verify"]], "draft": [10 * x for x in curves["draft"]]}
+                          for c, curves in profile.by_context.items()}
+    profile.verify = {engine: {rows: [2 * x for x in s] for rows, s in table.items()}
+                      for engine, table in profile.verify.items()}
+    assert [profile.verify_s(1, n, context=40) for n in (1, 2, 3)] == pytest.approx([2 * x for x in before[0]])
+    assert profile.draft_s(2, context=40) == pytest.approx(10 * before[1])
+    assert profile.verify_s(2, 3) == pytest.approx(2 * context_profile().verify_s(2, 3))
