@@ -6,8 +6,8 @@ library build, and the difference is most of a decode step. Measured on the embe
 (docs/results/2026-12-02-kernels.md, 2026-12-03-row-kernels.md):
 - 2-core AMD EPYC (Zen5-class): oneDNN with weights reordered once ran every row count from 1 to 16 near
   the time it takes to read them; MKL's sgemm through `F.linear` ran 2-3x slower at 2-16 rows.
-- 2-core AMD EPYC (Zen 4): oneDNN again at every width (reading cold weights at about 0.7 of the bandwidth);
-  every MKL variant 1.2-2.5x slower at every row count (2026-12-03-zen4.md).
+- 2-core AMD EPYC (Zen 4): oneDNN again at every width (its one-row LM head streams at about half the
+  bandwidth a sum reads); every MKL variant 1.2-2.5x slower at every row count (2026-12-03-zen4.md).
 - 2-core Intel Xeon (AVX512-BF16, no AMX): MKL's sgemm over a pre-transposed (in, out) weight read the
   weights for one row near the bandwidth limit, where oneDNN's reordered weights took up to 1.5x longer;
   from 4 rows oneDNN was faster again.
