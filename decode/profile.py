@@ -92,8 +92,8 @@ class CostProfile:
 
     def _priced(self, key: tuple, compute):
         """Memoized priced curves: a scheduler asks for a step's prices a dozen times (each position, each
-        candidate length); recomputed from the fields each time they cost 0.2-1.5 ms a step (measured with
-        the 3-context profile here), 4% of a 32 ms step. Bounded, as a server's steps visit every context."""
+        candidate length, every request of a batched step), and recomputing them from the fields showed in a
+        sweep as a few percent of a step. Bounded, as a server's steps visit every context length."""
         memo = self.__dict__.setdefault("_memo", {})
         if key not in memo:
             if len(memo) > 4096:
@@ -107,9 +107,11 @@ class CostProfile:
         else one draft per request."""
         if not self.draft_batched or not lengths:
             return sum(self.draft_s(length) for length in lengths)
+        curves = self._priced(("draft_batched",), lambda: {
+            int(r): suffix_min(seconds) for r, seconds in self.draft_batched.items()})
         longest = max(lengths)
-        return by_rows({int(r): suffix_min(seconds)[min(max(longest, 1), len(seconds)) - 1]
-                        for r, seconds in self.draft_batched.items()}, len(lengths))
+        return by_rows({r: seconds[min(max(longest, 1), len(seconds)) - 1] for r, seconds in curves.items()},
+                       len(lengths))
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -343,6 +343,8 @@ def test_a_noisy_profile_is_priced_non_decreasing_in_length():
     assert [profile.draft_s(n) for n in range(4)] == pytest.approx([0.001, 0.002, 0.002, 0.004])
     assert profile.verify_s(1, 2, context=64) == pytest.approx(0.03)
     assert profile.to_json()["verify"]["single"]["1"] == verify
+    profile.draft_batched = {"1": [0.003, 0.002, 0.004], "4": [0.008, 0.009, 0.007]}  # the batched engine's drafting
+    assert profile.draft_rows_s([1]) == pytest.approx(0.002) and profile.draft_rows_s([2, 1, 1, 1]) == pytest.approx(0.007)
     # One drafted position with confidence 0.05 pays on the priced curve (2 tokens cost what 1 does) ...
     profile.draft = [0.0] * 4
     assert CostRule(profile, max_skip=0).verify([0.05])
