@@ -346,9 +346,9 @@ CHAT_TEMPLATE = (
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, **server):
+def serving(model_dir: str, kernel: str = "auto", **server):
     """A server on a target folder or alias (float32, prompt lookup) at a free loopback port; yields (base_url,
-    runtime)."""
+    runtime). kernel: target.kernel (a fixed one spares a real target the minute-long measurement of auto)."""
     import socket
     import threading
     import time
@@ -361,7 +361,7 @@ def serving(model_dir: str, **server):
     from specdraft.io.config import TargetConfig
 
     proposer = server.pop("proposer", ProposerConfig(name="ngram"))
-    cfg = ServeConfig(target=TargetConfig(name_or_path=model_dir, dtype="float32"), proposer=proposer,
+    cfg = ServeConfig(target=TargetConfig(name_or_path=model_dir, dtype="float32", kernel=kernel), proposer=proposer,
                       decode=DecodeConfig(num_draft=3), server=ServerSettings(**{"model_name": "tiny", **server}))
     runtime = build_runtime(cfg, log=lambda *a: None)
     with socket.socket() as probe:
@@ -567,3 +567,31 @@ def killable_regeneration(target_dir: str, out_dir: str, prompts: list[dict], se
 
         regenerate._append = tearing_append
     regenerate.regenerate(target.model, target.tokenizer, prompts, out_dir, generate=generate, **settings)
+
+
+def every_kernel_plan(dtype: torch.dtype, device: torch.device):
+    """A KernelPlan that runs every candidate kernel of this machine at some width, without measuring: each
+    kernel packed for a row count at that count, the others at one row, 3 and 6 rows and past 8 (cycled where
+    there are fewer kernels than widths)."""
+    from specdraft.decode.linear_kernels import KERNELS, KernelPlan, candidates
+
+    names = candidates(dtype, device)
+    slots = ["1", "2", "3", "4", "6", "8", "wide"]
+    picks: dict[str, str] = {}
+    for name in (n for n in names if KERNELS[n].rows is not None):
+        free = [s for s in slots[:-1] if s not in picks and int(s) <= KERNELS[name].rows]
+        if free:
+            picks[free[-1]] = name
+    general = itertools.cycle([n for n in names if KERNELS[n].rows is None])
+    for slot in (s for s in slots if s not in picks):
+        picks[slot] = next(general)
+    return KernelPlan(picks["1"], picks["wide"], "config", by_rows={s: picks[s] for s in slots[1:-1]})
+
+
+def threads_for_tests() -> int:
+    """Threads for a test that runs the real target: both cores when it has the machine to itself, one when
+    pytest-xdist runs another worker beside it (two threads against a busy core more than tripled these tests)."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else min(2, os.cpu_count() or 1)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -41,10 +42,12 @@ def test_the_python_example_runs_as_written(capsys):
 @pytest.mark.slow
 def test_the_server_example_runs_as_written_against_the_embedded_target(capsys):
     """The README's client code against `specdraft-serve` on the embedded default (on a free port, not 8000)."""
+    from specdraft.decode.linear_kernels import candidates
     from tests.helpers import serving
 
     [example] = [block for block in python_blocks(README) if "base_url" in block]
-    with serving("smollm2-135m-instruct", model_name="smollm2-135m-instruct") as (base, _):
+    kernel = candidates(torch.float32, torch.device("cpu"))[0]  # what auto would pick is not this test's subject
+    with serving("smollm2-135m-instruct", kernel=kernel, model_name="smollm2-135m-instruct") as (base, _):
         exec(compile(example.replace("http://127.0.0.1:8000", base), "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert len(printed.split()) >= 3, printed
