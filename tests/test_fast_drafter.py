@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from specdraft.decode.batch_draft import propose_blocks
-from specdraft.decode.fast_drafter import PackedLinearModule, drafter_for_backend, fast_drafter
+from specdraft.decode.fast_drafter import MIN_PACKED_OUTPUTS, PackedLinearModule, drafter_for_backend, fast_drafter
 from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.linear_kernels import candidates
 from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer
 from specdraft.decode.sampling import Sampler
+from specdraft.models.drafter import BlockDrafter
 from specdraft.decode.session import CausalSession
 from tests.helpers import hf_greedy
 from tests.helpers import make_drafter
@@ -33,7 +34,10 @@ def test_the_twin_shares_every_tensor_and_packs_only_linears():
     mine = {id(t) for t in drafter.parameters()} | {id(t) for t in drafter.buffers()}
     assert {id(t) for t in twin.parameters()} | {id(t) for t in twin.buffers()} <= mine
     packed = [m for m in twin.modules() if isinstance(m, PackedLinearModule)]
-    assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in drafter.modules()) and packed
+    wide = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m.out_features >= MIN_PACKED_OUTPUTS]
+    assert len(packed) == len(wide) and packed
+    # The confidence head's one output stays on F.linear (a packed call costs more than its arithmetic).
+    assert type(twin.confidence_head.proj) is torch.nn.Linear and twin.confidence_head.proj.weight is drafter.confidence_head.proj.weight
     features = torch.randn(5, 2 * 32)
     torch.testing.assert_close(twin.project_context(features), drafter.project_context(features), atol=1e-5, rtol=1e-5)
 
@@ -91,3 +95,35 @@ def test_every_kernel_drafts_what_the_reference_drafts(kernel):
     assert proposals[1].tokens == proposals[0].tokens
     torch.testing.assert_close(proposals[1].draft_probs, proposals[0].draft_probs, atol=1e-5, rtol=1e-5)
     assert fast_drafter(drafter, kernel).kernel_plan.one_row == kernel
+
+
+@pytest.mark.parametrize("sampler", [Sampler(), Sampler(temperature=1.0)], ids=["greedy", "T1"])
+def test_the_markov_memo_drafts_bit_for_bit_what_the_head_computes(sampler):
+    """The memo of a vanilla Markov head's bias per previous token against the head computed every time: the same
+    tokens, q and confidences exactly, step after step; clones share it; other head types keep none."""
+    target, drafter = make_drafter("dspark")
+    for module in (drafter, fast_drafter(drafter)):
+        memo, plain = (start(target, BlockDrafterProposer(module, (1, 2), markov_memo=m), PROMPT) for m in (True, False))
+        assert memo.markov_memo is not None and plain.markov_memo is None
+        context = list(PROMPT)
+        for step in range(4):
+            got, want = (p.propose(context, 4, sampler, torch.Generator().manual_seed(step)) for p in (memo, plain))
+            assert got.tokens == want.tokens
+            for a, b in ((got.draft_probs, want.draft_probs), (got.confidence, want.confidence)):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+            context = context + got.tokens[:2]
+            for p in (memo, plain):
+                p.commit(context, CausalSession(target, (1, 2)).forward(context[:-1])[1][-2:])
+        assert memo.markov_memo.hits > 0  # the steps' previous tokens repeat (the anchor, drafted tokens)
+        assert memo.clone().markov_memo is memo.markov_memo
+        if not sampler.greedy:  # negative control: a memo holding other tokens' biases drafts from another q
+            entries = memo.markov_memo.entries
+            biases = list(entries.values())
+            for key, bias in zip(list(entries), biases[1:] + biases[:1]):
+                entries[key] = bias
+            got, want = (p.propose(context, 4, sampler, torch.Generator().manual_seed(9)) for p in (memo, plain))
+            assert len(biases) > 1 and not torch.equal(got.draft_probs[: len(want.tokens)], want.draft_probs[: len(got.tokens)])
+    gated = BlockDrafter(target.config, num_layers=1, num_feature_layers=2, block_size=4, mask_token_id=1,
+                         markov_rank=8, markov_head_type="gated")  # its bias reads the hidden state too
+    assert BlockDrafterProposer(gated, (1, 2)).markov_memo is None
+    assert BlockDrafterProposer(make_drafter("dflash")[1], (1, 2)).markov_memo is None

@@ -63,7 +63,7 @@ MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
 
 # Every kernel this machine runs, one layout for all row counts; a plan that switches at two rows; one with a
 # kernel for each verify width (the last candidates are the packed ones where MKL runs).
-KERNEL_CASES = [*dict.fromkeys([*candidates(torch.float32, torch.device("cpu")), "torch"]), "split", "by-rows"]
+KERNEL_CASES = [*dict.fromkeys([*candidates(torch.float32, torch.device("cpu")), "torch"]), "split", "by-rows", "padded"]
 
 
 def fast_target(model, kernel: str) -> FastTarget:
@@ -73,6 +73,9 @@ def fast_target(model, kernel: str) -> FastTarget:
     if kernel == "by-rows":
         return FastTarget(model, KernelPlan(names[0], "torch", "config", by_rows={"2": names[-1], "4": names[0],
                                                                                   "8": names[-2 % len(names)]}))
+    if kernel == "padded":  # 1-3 rows computed over 4 or 8 (the padding's outputs dropped)
+        return FastTarget(model, KernelPlan(names[0], names[-1], "config", by_rows={"4": names[0], "8": names[-1]},
+                                            pad_rows={"1": 4, "2": 4, "3": 8}))
     return FastTarget(model, kernel)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from specdraft.decode import linear_kernels
 from specdraft.decode.linear_kernels import (KERNELS, KernelPlan, PackedLinear, auto_plan, candidates, choose,
-                                             fixed_plan, measure)
+                                             fixed_plan, measure, row_padding)
 
 GiB = 1 << 30
 
@@ -90,6 +90,46 @@ def test_a_packed_linear_runs_the_kernel_its_plan_names_for_the_rows(monkeypatch
         x = torch.randn(rows, 8)
         torch.testing.assert_close(linear(x), x @ weight.T, atol=1e-5, rtol=1e-5)
     assert calls == ["mkl", "torch", "mklpack4", "mklpack4", "torch", "torch"]
+
+
+def test_a_width_runs_padded_where_a_wider_one_was_measured_faster():
+    plan = KernelPlan("onednn4", "onednn16", "config", by_rows={"2": "onednn16", "8": "onednn16"})
+    measured = {"onednn4": {"1": 10.0, "2": 9.0}, "onednn16": {"1": 11.0, "2": 12.0, "3": 10.5, "4": 10.0, "6": 11.0, "8": 14.0}}
+    # 2 rows (12 ms on the plan's onednn16) run as 4 (10 ms); 3 rows' 10.5 are within 5% of 4's; 1 row's kernel
+    # is onednn4 (10 ms): no wider width beats it by 5%; the times of kernels the plan does not run there count not.
+    assert row_padding(plan, measured) == {"2": 4}
+    assert row_padding(plan, {"onednn16": {"1": 10.0, "2": 10.4, "4": 10.0}}) == {}  # 4% faster: not worth it
+    assert row_padding(plan, {"onednn4": {"1": 20.0}, "onednn16": {"2": 30.0, "4": 12.0, "8": 12.0}}) == {"1": 4, "2": 4}
+    assert KernelPlan("mkl", "mkl", "config", pad_rows={"2": 4, "1": 3}).label == "mkl; 1 row padded to 3; 2 rows padded to 4"
+
+
+def test_a_padded_width_computes_the_same_on_the_wider_rows(monkeypatch):
+    name = candidates(torch.float32, torch.device("cpu"))[0]
+    kernel, widths = KERNELS[name], []
+    monkeypatch.setitem(KERNELS, name, kernel.__class__(name, kernel.pack, lambda x, p, b, run=kernel.run:
+                                                        widths.append(x.shape[0]) or run(x, p, b), kernel.available, kernel.rows))
+    weight, bias = torch.randn(12, 8), torch.randn(12)
+    linear = PackedLinear(weight, bias, KernelPlan(name, name, "config", pad_rows={"1": 4, "2": 4, "3": 6}))
+    for rows in (1, 2, 3, 4, 5, 6, 9):
+        x = torch.randn(rows, 8)
+        out = linear(x)
+        assert out.shape == (rows, 12) and out.is_contiguous()
+        torch.testing.assert_close(out, x @ weight.T + bias, atol=1e-5, rtol=1e-5)
+    assert widths == [4, 4, 6, 4, 5, 6, 9]
+
+
+def test_the_plan_pads_from_its_own_measurement_cached_or_not(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(tmp_path))
+    device = torch.device("cpu")
+    names = candidates(torch.float32, device)
+    if len(names) < 2:
+        pytest.skip("one kernel runs here: nothing is measured")
+    # Every kernel 2 rows slow, 4 rows fast: whichever the plan keeps, 2 rows run padded to 4.
+    slow_two = lambda kernels: {n: {"1": 10.0, "2": 13.0, "3": 10.0, "4": 9.9, "6": 11.0, "8": 12.0} for n in kernels}  # noqa: E731
+    first = auto_plan({(24, 16): 2}, torch.float32, device, timer=slow_two)
+    second = auto_plan({(24, 16): 2}, torch.float32, device, timer=slow_two)
+    assert (first.source, second.source) == ("measured", "cached")
+    assert first.pad_rows == second.pad_rows == {"2": 4}
 
 
 def test_measure_scales_a_sample_back_to_the_models_counts():
