@@ -27,6 +27,10 @@ class ProposerConfig:
     # copy where the recorded id does not resolve on this machine). The export's fingerprint check still applies.
     verifier: str | None = None
     num_layers: int | None = None  # model: keep only the first k decoder layers (None: all)
+    # drafter/hybrid: the trained drafter's dtype: target (the target's), auto (bfloat16 where this machine runs it
+    # natively, else the target's: it halves the weights a drafting step reads), float32 or bfloat16. Each is
+    # lossless: verification uses the q the drafter sampled from, whatever precision computed it.
+    dtype: str = "target"
 
 
 @dataclass

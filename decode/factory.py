@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from specdraft.decode.config import PROPOSERS, ProposerConfig
 from specdraft.decode.fast_drafter import drafter_for_backend
 from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer, NoProposer,
                                        load_model_proposer)
+from specdraft.io.target import choose_dtype, parse_dtype
 from specdraft.models.export import load_drafter
 from specdraft.models.registry import kind
 
@@ -22,6 +25,21 @@ def drafter_proposer(drafter, feature_layers):
     """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass)."""
     proposer = Eagle3Proposer if kind(drafter.mode).unrolled else BlockDrafterProposer
     return proposer(drafter, feature_layers)
+
+
+DRAFTER_DTYPES = ("target", "auto", "float32", "bfloat16")
+
+
+def drafter_dtype(name: str, target_model) -> torch.dtype:
+    """proposer.dtype: the trained drafter's torch dtype beside this target."""
+    if name not in DRAFTER_DTYPES:
+        raise ValueError(f"proposer.dtype={name!r}; choose one of {list(DRAFTER_DTYPES)}")
+    if name == "target":
+        return target_model.dtype
+    if name == "auto":
+        chosen, _ = choose_dtype("auto", target_model.device)
+        return chosen if chosen == torch.bfloat16 else target_model.dtype
+    return parse_dtype(name)
 
 
 def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = "auto", kernel: str = "auto"):
@@ -40,6 +58,7 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
         if not cfg.path:
             raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.path, target.model, target_name)
+        drafter = drafter.to(drafter_dtype(cfg.dtype, target.model))
         proposer = drafter_proposer(drafter_for_backend(drafter, backend, kernel=kernel), feature_layers)  # the target's kernels
         # hybrid: prompt lookup where it matches, the drafter elsewhere
         return (HybridProposer(lookup(), proposer) if name == "hybrid" else proposer), None

@@ -150,13 +150,16 @@ def machine_fingerprint() -> dict:
 
 def profile_fingerprint(target_name: str, target_model, drafter_path: str | None, dtype: torch.dtype,
                         block_size: int, batch_sizes: list[int], context_length: int,
-                        contexts: list[int] = ()) -> dict:
+                        contexts: list[int] = (), drafter_dtype: torch.dtype | None = None) -> dict:
     """What the profile's numbers depend on."""
     drafter = None
     if drafter_path:
         config = Path(drafter_path) / "config.json"
         drafter = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else str(drafter_path)
+    # A drafter in another dtype than the target's (proposer.dtype) drafts at another cost: its own profile.
+    other_dtype = {} if drafter_dtype in (None, dtype) else {"drafter_dtype": str(drafter_dtype).replace("torch.", "")}
     return {
+        **other_dtype,
         **machine_fingerprint(),
         "dtype": str(dtype).replace("torch.", ""),
         "target": target_name,
@@ -326,8 +329,10 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
     # Contexts a step of this target can reach (prompt + block within its window), the base one apart.
     window = getattr(model.config, "max_position_embeddings", None) or float("inf")
     contexts = sorted({int(c) for c in contexts if int(c) + block_size + 1 <= window} - {context_length})
+    trained = getattr(getattr(proposer, "trained", proposer), "drafter", None)  # a hybrid's drafter part too
     fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes,
-                                      context_length, contexts)
+                                      context_length, contexts,
+                                      None if trained is None else trained.embed_tokens.weight.dtype)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir or os.environ.get("SPECDRAFT_PROFILE_DIR") or CACHE_DIR) / f"{key}.json"
     if path.is_file():

@@ -326,7 +326,9 @@ def load_model_proposer(path: str, num_layers: int | None, target) -> tuple[Mode
 
 
 def pick_draft_token(logits: torch.Tensor, draft_to_target: torch.Tensor, target_vocab: int, sampler: Sampler, generator):
-    """Greedy or sampled token from (1, V_draft) logits: (target id, q over the target vocabulary or None)."""
+    """Greedy or sampled token from (1, V_draft) logits: (target id, q over the target vocabulary or None).
+    Sampled in float32 whatever the drafter's dtype, so q is the distribution the draw used, to float32's precision."""
+    logits = logits.float()
     if sampler.greedy:
         return draft_to_target[logits[0].argmax()], None
     probs = sampler.probs(logits)  # (1, V_draft)
@@ -402,6 +404,7 @@ class BlockDrafterProposer:
 
     @torch.inference_mode()
     def _append(self, features: torch.Tensor) -> None:
+        features = features.to(self.drafter.embed_tokens.weight.dtype)  # a drafter may run in another dtype (proposer.dtype)
         new = self.drafter.context_cache(self.drafter.project_context(features[None]), self.length)
         if self.cache is None:
             self.cache = new
@@ -491,6 +494,7 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def _append(self, context_ids, features: torch.Tensor) -> None:
+        features = features.to(self.drafter.embed_tokens.weight.dtype)  # a drafter may run in another dtype (proposer.dtype)
         count = features.shape[0]
         device = self.drafter.draft_to_target.device
         next_tokens = torch.tensor(context_ids[self.length + 1 : self.length + 1 + count], device=device)

@@ -45,7 +45,8 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
     from specdraft.decode.session import CausalSession
 
     def proposer(name: str):  # the bench's factory, with the export's calibration where it has one
-        made, _ = make_proposer(ProposerConfig(name=name, max_ngram=args.max_ngram, path=args.drafter), target, args.target)
+        made, _ = make_proposer(ProposerConfig(name=name, max_ngram=args.max_ngram, path=args.drafter,
+                                               dtype=args.drafter_dtype), target, args.target)
         attach_calibration(made, args.drafter)
         return made
 
@@ -69,7 +70,8 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         trained = proposer("drafter")
         proposers["ours_drafter"] = (trained, trained.max_draft)
         proposers["ours_hybrid"] = (proposer("hybrid"), args.num_draft)
-        described["ours_drafter"] = f"{args.drafter} (block {trained.max_draft}), scheduler={args.scheduler}"
+        described["ours_drafter"] = (f"{args.drafter} (block {trained.max_draft}, {str(trained.drafter.embed_tokens.weight.dtype)[6:]}), "
+                                     f"scheduler={args.scheduler}")
         described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
     if args.scheduler == "cost":
         from specdraft.decode.profile import load_or_measure
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None, help="an export folder (adds our drafter and hybrid rows)")
+    parser.add_argument("--drafter-dtype", default="target", choices=["target", "auto", "float32", "bfloat16"],
+                        help="proposer.dtype: the drafter's dtype (auto: bfloat16 where native, else the target's)")
     parser.add_argument("--data", default="mtbench", help="mtbench | sharegpt_heldout | jsonl (with --data-path)")
     parser.add_argument("--data-path", default=None)
     parser.add_argument("--categories", nargs="*", default=None)

@@ -127,3 +127,27 @@ def test_the_markov_memo_drafts_bit_for_bit_what_the_head_computes(sampler):
                          markov_rank=8, markov_head_type="gated")  # its bias reads the hidden state too
     assert BlockDrafterProposer(gated, (1, 2)).markov_memo is None
     assert BlockDrafterProposer(make_drafter("dflash")[1], (1, 2)).markov_memo is None
+
+
+def test_a_drafter_in_another_dtype_than_the_target_stays_lossless():
+    """proposer.dtype=bfloat16 beside a float32 target: features cast in, q sampled in float32, greedy output equal
+    to the target's own; the setting's names resolve and a wrong one is refused."""
+    import pytest as _pytest
+
+    from specdraft.decode.factory import drafter_dtype
+
+    target, drafter = make_drafter("dspark")
+    assert drafter_dtype("target", target) == torch.float32 and drafter_dtype("bfloat16", target) == torch.bfloat16
+    assert drafter_dtype("auto", target) in (torch.float32, torch.bfloat16)
+    with _pytest.raises(ValueError, match="proposer.dtype='half'"):
+        drafter_dtype("half", target)
+    half = make_drafter("dspark")[1].to(torch.bfloat16)
+    session = CausalSession(target, (1, 2))
+    for module in (half, drafter_for_backend(half, "auto", log=lambda *a: None)):
+        proposer = BlockDrafterProposer(module, (1, 2))
+        got = speculative_generate(session, PROMPT, proposer, GenerateConfig(Sampler(), 15, 3)).output_ids
+        assert got == hf_greedy(target, PROMPT, 15)
+        start(target, proposer, PROMPT)
+        sampled = proposer.propose(PROMPT, 3, Sampler(temperature=1.0), torch.Generator().manual_seed(0))
+        assert sampled.draft_probs.dtype == torch.float32
+        torch.testing.assert_close(sampled.draft_probs.sum(-1), torch.ones(len(sampled.tokens)))
