@@ -21,7 +21,13 @@ from torch import nn
 from specdraft.decode.linear_kernels import KernelPlan, PackedLinear, candidates, plan_for
 
 
+# A layer of a few outputs (the confidence head's one) stays on F.linear: its weights are a few KB, and a oneDNN
+# call's own cost is more than F.linear's whole.
 MIN_PACKED_OUTPUTS = 16
+
+
+def _packs(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and module.out_features >= MIN_PACKED_OUTPUTS
 
 
 class PackedLinearModule(nn.Module):
@@ -52,7 +58,7 @@ def fast_drafter_unavailable(drafter: nn.Module) -> str | None:
 def _linear_shapes(drafter: nn.Module) -> dict[tuple[int, int], int]:
     shapes: dict[tuple[int, int], int] = {}
     for module in drafter.modules():
-        if isinstance(module, nn.Linear) and module.out_features >= MIN_PACKED_OUTPUTS:
+        if _packs(module):
             shapes[(module.out_features, module.in_features)] = shapes.get((module.out_features, module.in_features), 0) + 1
     return shapes
 
@@ -68,9 +74,7 @@ def fast_drafter(drafter: nn.Module, kernel: str = "auto") -> nn.Module:
     twin.kernel_plan = plan
     for parent in list(twin.modules()):
         for name, child in list(parent.named_children()):
-            # A layer of a few outputs (the confidence head's one) stays on F.linear: its weights are a few KB,
-            # and a oneDNN call's own cost (some 50 us here) is more than F.linear's whole.
-            if isinstance(child, nn.Linear) and child.out_features >= MIN_PACKED_OUTPUTS:
+            if _packs(child):
                 setattr(parent, name, PackedLinearModule(child, plan))
     return twin.eval()
 

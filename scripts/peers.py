@@ -70,7 +70,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         trained = proposer("drafter")
         proposers["ours_drafter"] = (trained, trained.max_draft)
         proposers["ours_hybrid"] = (proposer("hybrid"), args.num_draft)
-        described["ours_drafter"] = (f"{args.drafter} (block {trained.max_draft}, {str(trained.drafter.embed_tokens.weight.dtype)[6:]}), "
+        described["ours_drafter"] = (f"{args.drafter} (block {trained.max_draft}, {str(trained.drafter.embed_tokens.weight.dtype).replace('torch.', '')}), "
                                      f"scheduler={args.scheduler}")
         described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
     if args.scheduler == "cost":
@@ -230,10 +230,12 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from specdraft.decode.factory import DRAFTER_DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None, help="an export folder (adds our drafter and hybrid rows)")
-    parser.add_argument("--drafter-dtype", default="target", choices=["target", "auto", "float32", "bfloat16"],
+    parser.add_argument("--drafter-dtype", default="target", choices=DRAFTER_DTYPES,
                         help="proposer.dtype: the drafter's dtype (auto: bfloat16 where native, else the target's)")
     parser.add_argument("--data", default="mtbench", help="mtbench | sharegpt_heldout | jsonl (with --data-path)")
     parser.add_argument("--data-path", default=None)

@@ -132,14 +132,12 @@ def test_the_markov_memo_drafts_bit_for_bit_what_the_head_computes(sampler):
 def test_a_drafter_in_another_dtype_than_the_target_stays_lossless():
     """proposer.dtype=bfloat16 beside a float32 target: features cast in, q sampled in float32, greedy output equal
     to the target's own; the setting's names resolve and a wrong one is refused."""
-    import pytest as _pytest
-
     from specdraft.decode.factory import drafter_dtype
 
     target, drafter = make_drafter("dspark")
     assert drafter_dtype("target", target) == torch.float32 and drafter_dtype("bfloat16", target) == torch.bfloat16
     assert drafter_dtype("auto", target) in (torch.float32, torch.bfloat16)
-    with _pytest.raises(ValueError, match="proposer.dtype='half'"):
+    with pytest.raises(ValueError, match="proposer.dtype='half'"):
         drafter_dtype("half", target)
     half = make_drafter("dspark")[1].to(torch.bfloat16)
     session = CausalSession(target, (1, 2))
