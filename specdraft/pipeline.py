@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -183,6 +183,16 @@ def preflight(cfg: DistillConfig, accelerator) -> None:
         assets.ensure(modules, "specdraft-distill", install=False)
 
 
+def training_target(target, name: str, accelerator):
+    """The target in `trainer.target_dtype` for the training forwards (regeneration ran in float32 before);
+    the decision and its reason are printed once and kept on the returned Target."""
+    dtype, reason = choose_dtype(name, target.model.device, key="trainer.target_dtype")
+    accelerator.print(f"specdraft: training target {str(dtype).replace('torch.', '')} ({reason})")
+    if dtype == target.dtype:
+        return replace(target, dtype_reason=reason)
+    return replace(target, model=target.model.to(dtype), dtype=dtype, dtype_reason=reason)
+
+
 def distill(cfg: DistillConfig) -> dict | None:
     """Run every stage; return and write DIR/results.json (rank 0; other ranks return None)."""
     accelerator = make_accelerator(cfg.trainer)  # first: a launcher/trainer disagreement fails before any loading
@@ -193,7 +203,8 @@ def distill(cfg: DistillConfig) -> dict | None:
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     stage_seconds, began = {}, time.perf_counter()
-    # Training reads fp32 features; each process loads the target straight onto its own device.
+    # Regeneration decodes in float32 (cast to trainer.target_dtype for training below); each process loads the
+    # target straight onto its own device.
     device = str(accelerator.device) if cfg.target.device == "auto" else cfg.target.device
     target = load_target(cfg.target.name_or_path, "float32", cfg.target.threads, device)
     # built only by the process that regenerates, when it does (the fast twin holds a copy of the weights)
@@ -210,7 +221,8 @@ def distill(cfg: DistillConfig) -> dict | None:
         raise ValueError(f"drafter.feature_layers={list(layers)} must lie in [0, {num_layers - 1}] (HF hidden-state "
                          f"indices; {num_layers} is the final-norm output, which serving engines do not expose)")
     torch.manual_seed(cfg.trainer.seed)  # initial drafter weights depend on the seed only (equal on every rank)
-    drafter = build_drafter(cfg.drafter, target, train_examples, layers)
+    drafter = build_drafter(cfg.drafter, target, train_examples, layers)  # copies the float32 embeddings and head
+    target = training_target(target, cfg.trainer.target_dtype, accelerator)
     if cfg.drafter.feature_scaling:
         fit_feature_scale(drafter, target.model, train_examples, layers, target.tokenizer.pad_token_id or 0)
     signals = None
@@ -247,6 +259,7 @@ def distill(cfg: DistillConfig) -> dict | None:
                    "train_tau_estimate": summary.get("train/tau_estimate"), "eval_tau_estimate": summary.get("eval/tau_estimate"),
                    "eval_tau_greedy": summary.get("eval/tau_greedy"),
                    "train_tokens_per_s": summary.get("tokens_per_s"), "world_size": accelerator.num_processes,
+                   "train_target_dtype": {"dtype": str(target.dtype).replace("torch.", ""), "reason": target.dtype_reason},
                    "config": resolved}
         tmp = run_dir / "results.json.tmp"
         tmp.write_text(json.dumps(results, indent=2) + "\n")

@@ -81,6 +81,8 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
         assert name in logged, name
     assert results["eval_tau_estimate"] is not None and results["export_path"] == str(run_dir / "export")
     assert set(results["stage_seconds"]) == {"data", "train", "export", "validate"}
+    chosen = results["train_target_dtype"]  # trainer.target_dtype=auto: the decision and its reason
+    assert chosen["dtype"] in ("float32", "bfloat16") and "trainer.target_dtype=auto" in chosen["reason"]
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "specdraft.json").is_file()
     assert (run_dir / "checkpoints" / "step-0000006" / "meta.json").is_file()
     assert len((run_dir / "data" / "responses.jsonl").read_text().splitlines()) == 10  # 8 train + 2 eval
@@ -165,3 +167,24 @@ def test_tiny_standalone_drafter_end_to_end(tmp_path, chat_file, tiny_model_dir)
         plain = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
         assisted = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=draft)
     assert torch.equal(plain, assisted)
+
+
+def test_training_target_casts_where_bf16_is_native_and_keeps_float32_elsewhere(monkeypatch, tiny_model_dir, capsys):
+    import torch
+    from accelerate import Accelerator
+
+    from specdraft import pipeline
+    from specdraft.io import target as target_module
+
+    accelerator = Accelerator(cpu=True)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(target_module, "native_bf16", lambda native=native: native)
+        loaded = target_module.load_target(tiny_model_dir, "float32")
+        chosen = pipeline.training_target(loaded, "auto", accelerator)
+        assert chosen.dtype == expected and chosen.model.dtype == expected
+        assert chosen.dtype_reason.startswith("trainer.target_dtype=auto")
+        assert f"training target {str(expected).replace('torch.', '')}" in capsys.readouterr().out
+    fixed = pipeline.training_target(target_module.load_target(tiny_model_dir, "float32"), "float32", accelerator)
+    assert fixed.dtype == torch.float32 and fixed.dtype_reason == "trainer.target_dtype=float32 as configured"
+    with pytest.raises(ValueError, match="trainer.target_dtype='fp8' is not supported"):
+        pipeline.training_target(fixed, "fp8", accelerator)

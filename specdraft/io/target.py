@@ -47,27 +47,28 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECDRAFT_CACHE", default))
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """Map a config dtype name to a torch dtype, with an error listing the choices."""
+def parse_dtype(name: str, key: str = "target.dtype") -> torch.dtype:
+    """Map a config dtype name to a torch dtype, with an error naming `key` and listing the choices."""
     if name not in DTYPES:
-        raise ValueError(f"target.dtype={name!r} is not supported; choose one of {sorted(DTYPES)}")
+        raise ValueError(f"{key}={name!r} is not supported; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
-def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The torch dtype for `target.dtype=name` on `device`, and the reason. `auto` takes bfloat16 only where
-    it is native (a GPU with bf16; a CPU with oneDNN bf16 kernels, i.e. AVX512-BF16/AMX or ARM's bf16), else
-    float32: emulated bf16 costs several times fp32 per token on a CPU, and float32 is the exact dtype."""
+def choose_dtype(name: str, device: torch.device, key: str = "target.dtype") -> tuple[torch.dtype, str]:
+    """The torch dtype for `key=name` on `device`, and the reason. `auto` takes bfloat16 only where it is
+    native (a GPU with bf16; a CPU with oneDNN bf16 kernels, i.e. AVX512-BF16/AMX or ARM's bf16), else
+    float32: emulated bf16 costs several times fp32 per token on a CPU, and float32 is the exact dtype.
+    `key` is the config key the reason names (target.dtype, trainer.target_dtype)."""
     if name != "auto":
-        return parse_dtype(name), f"target.dtype={name} as configured"
+        return parse_dtype(name, key), f"{key}={name} as configured"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "target.dtype=auto: this GPU computes bfloat16 natively"
-        return torch.float32, "target.dtype=auto: this GPU has no native bfloat16"
+            return torch.bfloat16, f"{key}=auto: this GPU computes bfloat16 natively"
+        return torch.float32, f"{key}=auto: this GPU has no native bfloat16"
     if device.type == "cpu" and native_bf16():
-        return torch.bfloat16, (f"target.dtype=auto: this CPU runs bfloat16 natively (oneDNN bf16 kernels, torch "
-                                f"capability {torch.backends.cpu.get_cpu_capability()}); target.dtype=float32 for exactness")
-    return torch.float32, (f"target.dtype=auto: bfloat16 is not native on this {device.type} (no oneDNN bf16 kernels), "
+        return torch.bfloat16, (f"{key}=auto: this CPU runs bfloat16 natively (oneDNN bf16 kernels, torch "
+                                f"capability {torch.backends.cpu.get_cpu_capability()}); {key}=float32 for exactness")
+    return torch.float32, (f"{key}=auto: bfloat16 is not native on this {device.type} (no oneDNN bf16 kernels), "
                            "so float32, which is faster here and exact")
 
 
