@@ -244,3 +244,30 @@ def test_load_gate_admits_as_whole_blocks_would_and_draws_nothing_where_nothing_
             assert not any(runs[True][1]) and runs[True][2] == 0 < runs[False][2]
         else:  # steps of both kinds: the gate let some through and stopped others before their LM heads
             assert any(runs[True][1]) and not all(runs[True][1]) and 0 < runs[True][2] < runs[False][2]
+
+
+def test_a_draft_is_timed_as_the_loop_meets_it_after_a_verify_step_with_a_position_to_take_in(monkeypatch):
+    from specdraft.decode import profile as profile_module
+
+    target, drafter = make_drafter()
+    proposer = BlockDrafterProposer(drafter, (1, 2))
+    events = []
+
+    class Recording(BlockDrafterProposer):
+        def commit(self, context_ids, features):
+            events.append(("commit", len(context_ids)))
+            super().commit(context_ids, features)
+
+        def propose(self, *args, **kwargs):
+            events.append(("propose", len(self.pending)))
+            return super().propose(*args, **kwargs)
+
+    monkeypatch.setattr(BlockDrafterProposer, "clone", lambda self: Recording(self.drafter, self.feature_layers))
+    forward = CausalSession.forward
+    monkeypatch.setattr(CausalSession, "forward",
+                        lambda self, ids, last_only=False: events.append(("verify", len(ids))) or forward(self, ids, last_only))
+    seconds = profile_module.measure_draft(proposer, target, context_length=6, max_draft=3, repeats=2)
+    assert len(seconds) == 4 and all(s > 0 for s in seconds)
+    timed = events[events.index(("verify", 6)) + 1 + 4:]  # after the context's prefill and one warm-up draft per length
+    # every timed draft follows a one-token verify step and meets one committed position not yet taken in
+    assert timed == [event for i in range(8) for event in (("verify", 1), ("commit", 7 + i), ("propose", 1))]
