@@ -6,8 +6,10 @@ block, then per drafted position the LM head over the draft vocabulary and the M
 GEMV streams those weights at a third of the memory bandwidth here: measured on the embedded target's
 one-layer DSpark export, fp32, 2 threads, drafting 4 positions took 10.8 ms against a 22 ms verify step.
 The twin shares every parameter and buffer of the drafter (embeddings, heads, norms) and adds packed
-copies of the Linear weights only; decode/proposer.py runs the same code over either module, so the
-twin differs from the reference only in summation order (tests/test_fast_drafter.py holds the parity).
+copies of the Linear weights only; its RMSNorms run as one fused call and its rotary embedding reads a
+table of positions (the eager module's five or six small ops each were about half a step's time once the
+matmuls were packed). decode/proposer.py runs the same code over either module, so the twin differs from
+the reference only in summation order (tests/test_fast_drafter.py holds the parity).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 import torch
 from torch import nn
 
+from specdraft.decode.fast_target import norm_eps, rms_norm
 from specdraft.decode.linear_kernels import KernelPlan, PackedLinear, candidates, plan_for
 
 
@@ -45,6 +48,52 @@ class PackedLinearModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (..., in) -> (..., out)
         return self.packed(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+
+class FusedRMSNorm(nn.Module):
+    """An RMSNorm module's function as one call (fast_target.rms_norm: the fused kernel in float32, HF's
+    order of roundings elsewhere), its weight shared. A drafter step runs seven norms, and HF's module costs
+    five tensor ops each: dispatch, not arithmetic, on a 7-slot block."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm_eps(norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class CachedRotary(nn.Module):
+    """A rotary embedding module's (cos, sin) read from a table of every position so far, computed by the
+    module itself over 0..N-1 and doubled when a position passes it. The module computes each position on
+    its own (position x inverse frequency, elementwise), so the table's rows are its outputs bit for bit;
+    a step then indexes two rows instead of running the module's six ops."""
+
+    def __init__(self, rotary: nn.Module):
+        super().__init__()
+        self.rotary, self.tables = rotary, {}
+
+    def _table(self, like: torch.Tensor, needed: int):
+        key = (like.dtype, like.device)
+        table = self.tables.get(key)
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 2 * (table[0].shape[0] if table is not None else 512))
+            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])  # (1, N, D) each
+            table = self.tables[key] = (cos[0], sin[0])
+        return table
+
+    def forward(self, like: torch.Tensor, position_ids: torch.Tensor):
+        # position_ids (B, S) -> cos, sin (B, S, D) in like's dtype, as the module returns them
+        cos, sin = self._table(like, int(position_ids.max()) + 1)
+        return cos[position_ids], sin[position_ids]
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RotaryEmbedding")
 
 
 def fast_drafter_unavailable(drafter: nn.Module) -> str | None:
@@ -76,6 +125,10 @@ def fast_drafter(drafter: nn.Module, kernel: str = "auto") -> nn.Module:
         for name, child in list(parent.named_children()):
             if _packs(child):
                 setattr(parent, name, PackedLinearModule(child, plan))
+            elif _is_rms_norm(child):
+                setattr(parent, name, FusedRMSNorm(child))
+            elif _is_rotary(child):
+                setattr(parent, name, CachedRotary(child))
     return twin.eval()
 
 

@@ -87,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _norm_eps(norm: torch.nn.Module) -> float:
+def norm_eps(norm: torch.nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
@@ -96,8 +96,8 @@ class _Layer:
 
     def __init__(self, layer, plan: KernelPlan):
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = (layer.input_layernorm.weight.detach(), _norm_eps(layer.input_layernorm))
-        self.post_norm = (layer.post_attention_layernorm.weight.detach(), _norm_eps(layer.post_attention_layernorm))
+        self.input_norm = (layer.input_layernorm.weight.detach(), norm_eps(layer.input_layernorm))
+        self.post_norm = (layer.post_attention_layernorm.weight.detach(), norm_eps(layer.post_attention_layernorm))
         self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], plan)
         self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, plan)
         self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], plan)
@@ -105,8 +105,8 @@ class _Layer:
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.intermediate = mlp.gate_proj.out_features
         # Qwen3 normalizes each head's q and k before RoPE.
-        self.q_norm = None if getattr(attn, "q_norm", None) is None else (attn.q_norm.weight.detach(), _norm_eps(attn.q_norm))
-        self.k_norm = None if getattr(attn, "k_norm", None) is None else (attn.k_norm.weight.detach(), _norm_eps(attn.k_norm))
+        self.q_norm = None if getattr(attn, "q_norm", None) is None else (attn.q_norm.weight.detach(), norm_eps(attn.q_norm))
+        self.k_norm = None if getattr(attn, "k_norm", None) is None else (attn.k_norm.weight.detach(), norm_eps(attn.k_norm))
         self.scaling = float(attn.scaling)
 
 
@@ -257,7 +257,7 @@ class FastTarget:
             self.layers = [_Layer(layer, self.plan) for layer in base.layers]
             self.head = PackedLinear(head.weight, getattr(head, "bias", None), self.plan)
         self.embed = model.get_input_embeddings()
-        self.norm = (base.norm.weight.detach(), _norm_eps(base.norm))
+        self.norm = (base.norm.weight.detach(), norm_eps(base.norm))
         self.rotary = base.rotary_emb
         # The model's own RoPE application (same function in every supported modeling file).
         self.apply_rotary = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb

@@ -149,3 +149,28 @@ def test_a_drafter_in_another_dtype_than_the_target_stays_lossless():
         sampled = proposer.propose(PROMPT, 3, Sampler(temperature=1.0), torch.Generator().manual_seed(0))
         assert sampled.draft_probs.dtype == torch.float32
         torch.testing.assert_close(sampled.draft_probs.sum(-1), torch.ones(len(sampled.tokens)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_twin_fuses_its_norms_and_reads_rotary_rows_from_a_table(dtype):
+    from specdraft.decode.fast_drafter import CachedRotary, FusedRMSNorm
+
+    _, drafter = make_drafter()
+    drafter = drafter.to(dtype)
+    twin = fast_drafter(drafter, "torch")
+    norms = [name for name, m in drafter.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(isinstance(twin.get_submodule(name), FusedRMSNorm) for name in norms)
+    assert twin.get_submodule(norms[0]).weight is drafter.get_submodule(norms[0]).weight
+    x = torch.randn(3, 7, drafter.config.hidden_size).to(dtype)
+    for name in norms[:1]:
+        reference, fused = drafter.get_submodule(name), twin.get_submodule(name)
+        if dtype == torch.float32:
+            torch.testing.assert_close(fused(x), reference(x), atol=1e-6, rtol=1e-6)
+        else:  # HF's own order of roundings in bf16: the same tensor
+            assert torch.equal(fused(x), reference(x))
+    assert isinstance(twin.rotary, CachedRotary)
+    like = x[:1]
+    for positions in (torch.arange(5, 12)[None], torch.tensor([[3, 700, 1500]]), torch.arange(0, 4).reshape(2, 2)):
+        got, want = twin.rotary(like, positions), drafter.rotary(like, positions)
+        assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))  # bit for bit, past the first table
+    assert twin.rotary.tables[(dtype, like.device)][0].shape[0] >= 1501
