@@ -28,9 +28,10 @@ class ProposerConfig:
     verifier: str | None = None
     num_layers: int | None = None  # model: keep only the first k decoder layers (None: all)
     # drafter/hybrid: the trained drafter's dtype: target (the target's), auto (bfloat16 where this machine runs it
-    # natively, else the target's: it halves the weights a drafting step reads), float32 or bfloat16. Each is
-    # lossless: verification uses the q the drafter sampled from, whatever precision computed it.
-    dtype: str = "target"
+    # natively, else the target's: it halves the weights a drafting step reads; a one-token draft right after a
+    # verify step took 3.9 instead of 5.4 ms on the Zen 4 EPYC), float32 or bfloat16. Each is lossless:
+    # verification uses the q the drafter sampled from, whatever precision computed it.
+    dtype: str = "auto"
 
 
 @dataclass

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None, help="an export folder (adds our drafter and hybrid rows)")
-    parser.add_argument("--drafter-dtype", default="target", choices=DRAFTER_DTYPES,
+    parser.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
                         help="proposer.dtype: the drafter's dtype (auto: bfloat16 where native, else the target's)")
     parser.add_argument("--data", default="mtbench", help="mtbench | sharegpt_heldout | jsonl (with --data-path)")
     parser.add_argument("--data-path", default=None)
