@@ -92,8 +92,14 @@ def _is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
+# Rope types whose cos/sin for a position do not depend on the other positions of the call (dynamic NTK and
+# longrope rescale by the longest one): only these are read from a table.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
 def _is_rotary(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RotaryEmbedding")
+    return (type(module).__name__.endswith("RotaryEmbedding")
+            and getattr(module, "rope_type", "default") in STATIC_ROPE_TYPES)
 
 
 def fast_drafter_unavailable(drafter: nn.Module) -> str | None:

@@ -174,3 +174,5 @@ def test_the_twin_fuses_its_norms_and_reads_rotary_rows_from_a_table(dtype):
         got, want = twin.rotary(like, positions), drafter.rotary(like, positions)
         assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))  # bit for bit, past the first table
     assert twin.rotary.tables[(dtype, like.device)][0].shape[0] >= 1501
+    drafter.rotary.rope_type = "dynamic"  # cos/sin rescaled by the longest position of a call: no table
+    assert not isinstance(fast_drafter(drafter, "torch").rotary, CachedRotary)
