@@ -302,7 +302,7 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
         session.forward(tokens(1))
         session.rollback(context_length)
         context.append(tokens(1)[0])
-        proposer.commit(list(context), features[-1:])
+        proposer.commit(list(context), None if features is None else features[-1:])
 
     def draft(length):
         # ℓ = 0 still runs the backbone pass (c_1 decides it), so draft one position and stop before sampling it.

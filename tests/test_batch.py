@@ -271,3 +271,11 @@ def test_a_draft_is_timed_as_the_loop_meets_it_after_a_verify_step_with_a_positi
     timed = events[events.index(("verify", 6)) + 1 + 4:]  # after the context's prefill and one warm-up draft per length
     # every timed draft follows a one-token verify step and meets one committed position not yet taken in
     assert timed == [event for i in range(8) for event in (("verify", 1), ("commit", 7 + i), ("propose", 1))]
+
+
+def test_a_proposer_without_features_is_timed_the_same_way():
+    from specdraft.decode import profile as profile_module
+    from specdraft.decode.proposer import NgramProposer
+
+    seconds = profile_module.measure_draft(NgramProposer(3), tiny_llama(0), context_length=6, max_draft=3, repeats=2)
+    assert len(seconds) == 4 and all(s >= 0 for s in seconds)  # no target features to commit: None, as the loop does
