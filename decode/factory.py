@@ -11,7 +11,7 @@ from specdraft.decode.config import PROPOSERS, ProposerConfig
 from specdraft.decode.fast_drafter import drafter_for_backend
 from specdraft.decode.proposer import (BlockDrafterProposer, Eagle3Proposer, HybridProposer, NgramProposer, NoProposer,
                                        load_model_proposer)
-from specdraft.io.target import choose_dtype, parse_dtype
+from specdraft.io.target import choose_dtype, parse_dtype, to_dtype
 from specdraft.models.export import load_drafter
 from specdraft.models.registry import kind
 
@@ -58,7 +58,7 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
         if not cfg.path:
             raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.path, target.model, target_name)
-        drafter = drafter.to(drafter_dtype(cfg.dtype, target.model))
+        drafter = to_dtype(drafter, drafter_dtype(cfg.dtype, target.model))  # rotary frequencies stay float32
         proposer = drafter_proposer(drafter_for_backend(drafter, backend, kernel=kernel), feature_layers)  # the target's kernels
         # hybrid: prompt lookup where it matches, the drafter elsewhere
         return (HybridProposer(lookup(), proposer) if name == "hybrid" else proposer), None

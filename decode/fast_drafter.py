@@ -84,6 +84,8 @@ class CachedRotary(nn.Module):
 
     def forward(self, like: torch.Tensor, position_ids: torch.Tensor):
         # position_ids (B, S) -> cos, sin (B, S, D) in like's dtype, as the module returns them
+        if position_ids.numel() == 0:
+            return self.rotary(like, position_ids)
         cos, sin = self._table(like, int(position_ids.max()) + 1)
         return cos[position_ids], sin[position_ids]
 

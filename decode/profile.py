@@ -282,10 +282,15 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
     context = tokens(context_length)
     session = CausalSession(model, proposer.feature_layers)
     _, features = session.forward(context)
+    context.append(tokens(1)[0])  # the pending token: the loop's context holds it, the target's cache does not
     proposer = proposer.clone()
     proposer.start(list(context), features)
     generator = torch.Generator(device=model.device).manual_seed(0)
     sampler = Sampler(1.0)  # sampling costs at least what greedy does (it also builds q)
+    # A proposer that reads the target's features takes in the last step's kept position before it drafts; one that
+    # does not (prompt lookup, a standalone model) is timed on a fixed context as before (a lookup's commit would
+    # feed the drafts of random contexts into the statistics it shares with the real proposer).
+    takes_features = bool(proposer.feature_layers)
 
     class StopAfter:
         needs_confidence = False
@@ -297,12 +302,14 @@ def measure_draft(proposer, model, context_length: int, max_draft: int, repeats:
             return len(confidences) <= self.length
 
     def after_verify():
-        # A verify step of the target (then rolled back), and its one kept position committed to the drafter
-        # (the context grows by one position per sample: a few dozen over the measurement, a negligible drift).
-        session.forward(tokens(1))
+        # A verify step of the target over the pending token (then rolled back), and that position committed with
+        # the next token appended, as the loop commits a step that kept none of its drafts (the context grows by one
+        # position per sample: a few dozen over the measurement, a negligible drift).
+        _, step_features = session.forward([context[-1]])
         session.rollback(context_length)
-        context.append(tokens(1)[0])
-        proposer.commit(list(context), None if features is None else features[-1:])
+        if takes_features:
+            context.append(tokens(1)[0])
+            proposer.commit(list(context), step_features)
 
     def draft(length):
         # ℓ = 0 still runs the backbone pass (c_1 decides it), so draft one position and stop before sampling it.

@@ -29,7 +29,7 @@ from specdraft import conf_dir
 from specdraft.io import assets
 from specdraft.io.config import TargetConfig
 from specdraft.io.data import source_modules
-from specdraft.io.target import choose_dtype, default_feature_layers, load_target, resolve_device, target_modules
+from specdraft.io.target import choose_dtype, default_feature_layers, load_target, resolve_device, target_modules, to_dtype
 from specdraft.models.export import save_drafter, training_record
 from specdraft.models.registry import kind
 from specdraft.train.config import DrafterConfig, FeatureCacheConfig, TrackingConfig, TrainDataConfig, TrainerConfig
@@ -190,7 +190,7 @@ def training_target(target, name: str, accelerator):
     accelerator.print(f"specdraft: training target {str(dtype).replace('torch.', '')} ({reason})")
     if dtype == target.dtype:
         return replace(target, dtype_reason=reason)
-    return replace(target, model=target.model.to(dtype), dtype=dtype, dtype_reason=reason)
+    return replace(target, model=to_dtype(target.model, dtype), dtype=dtype, dtype_reason=reason)
 
 
 def distill(cfg: DistillConfig) -> dict | None:

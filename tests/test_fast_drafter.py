@@ -176,3 +176,22 @@ def test_the_twin_fuses_its_norms_and_reads_rotary_rows_from_a_table(dtype):
     assert twin.rotary.tables[(dtype, like.device)][0].shape[0] >= 1501
     drafter.rotary.rope_type = "dynamic"  # cos/sin rescaled by the longest position of a call: no table
     assert not isinstance(fast_drafter(drafter, "torch").rotary, CachedRotary)
+
+
+def test_a_drafter_cast_to_bf16_keeps_its_rotary_frequencies_in_float32():
+    from specdraft.io.target import to_dtype
+
+    _, drafter = make_drafter()
+    before = {name: b.clone() for name, b in drafter.named_buffers() if name.endswith("inv_freq")}
+    assert before
+    rounded = copy_of = make_drafter()[1].to(torch.bfloat16)  # nn.Module.to rounds them: the negative control
+    assert any(b.dtype == torch.bfloat16 for name, b in copy_of.named_buffers() if name.endswith("inv_freq"))
+    cast = to_dtype(drafter, torch.bfloat16)
+    assert cast is drafter and drafter.fc.weight.dtype == torch.bfloat16
+    after = dict(drafter.named_buffers())
+    assert all(after[name].dtype == torch.float32 and torch.equal(after[name], b) for name, b in before.items())
+    positions = torch.arange(300, 307)[None]
+    like = torch.zeros(1, dtype=torch.bfloat16)
+    exact = [t.to(torch.bfloat16) for t in make_drafter()[1].rotary(torch.zeros(1), positions)]
+    assert all(torch.equal(a, b) for a, b in zip(drafter.rotary(like, positions), exact))
+    assert not all(torch.equal(a, b) for a, b in zip(rounded.rotary(like, positions), exact))
