@@ -162,12 +162,11 @@ def test_the_twin_fuses_its_norms_and_reads_rotary_rows_from_a_table(dtype):
     assert norms and all(isinstance(twin.get_submodule(name), FusedRMSNorm) for name in norms)
     assert twin.get_submodule(norms[0]).weight is drafter.get_submodule(norms[0]).weight
     x = torch.randn(3, 7, drafter.config.hidden_size).to(dtype)
-    for name in norms[:1]:
-        reference, fused = drafter.get_submodule(name), twin.get_submodule(name)
-        if dtype == torch.float32:
-            torch.testing.assert_close(fused(x), reference(x), atol=1e-6, rtol=1e-6)
-        else:  # HF's own order of roundings in bf16: the same tensor
-            assert torch.equal(fused(x), reference(x))
+    reference, fused = drafter.get_submodule(norms[0]), twin.get_submodule(norms[0])
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused(x), reference(x), atol=1e-6, rtol=1e-6)
+    else:  # HF's own order of roundings in bf16: the same tensor
+        assert torch.equal(fused(x), reference(x))
     assert isinstance(twin.rotary, CachedRotary)
     like = x[:1]
     for positions in (torch.arange(5, 12)[None], torch.tensor([[3, 700, 1500]]), torch.arange(0, 4).reshape(2, 2)):
@@ -184,8 +183,8 @@ def test_a_drafter_cast_to_bf16_keeps_its_rotary_frequencies_in_float32():
     _, drafter = make_drafter()
     before = {name: b.clone() for name, b in drafter.named_buffers() if name.endswith("inv_freq")}
     assert before
-    rounded = copy_of = make_drafter()[1].to(torch.bfloat16)  # nn.Module.to rounds them: the negative control
-    assert any(b.dtype == torch.bfloat16 for name, b in copy_of.named_buffers() if name.endswith("inv_freq"))
+    rounded = make_drafter()[1].to(torch.bfloat16)  # nn.Module.to rounds them: the negative control
+    assert any(b.dtype == torch.bfloat16 for name, b in rounded.named_buffers() if name.endswith("inv_freq"))
     cast = to_dtype(drafter, torch.bfloat16)
     assert cast is drafter and drafter.fc.weight.dtype == torch.bfloat16
     after = dict(drafter.named_buffers())
