@@ -57,8 +57,8 @@ class BudgetConfig:
     """Seconds per stage; a stage that runs out stops cleanly (training resumes on a rerun; regeneration
     resumes too unless a checkpoint exists, since a checkpoint's data must not change)."""
 
-    data_s: float = 120.0
-    train_s: float = 400.0
+    data_s: float = 240.0
+    train_s: float = 480.0
 
 
 @dataclass
