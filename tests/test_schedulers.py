@@ -276,6 +276,31 @@ def test_cost_rule_runs_no_drafter_where_no_draft_can_pay():
     assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
 
 
+def skipped_share(backoff, gains) -> float:
+    """The share of steps a backoff skips over a drafter whose drafting steps gain `gains` beyond break-even in turn."""
+    skipped, gains = 0, iter(gains)
+    for _ in range(400):
+        if backoff.should_skip():
+            skipped += 1
+            continue
+        backoff.observe(1)
+        backoff.settle(1 + next(gains), 1.0)
+    return skipped / 400
+
+
+def test_backoff_keeps_drafting_a_drafter_that_pays_on_average_and_drops_one_that_never_does():
+    """A third of the steps gain 0.9 tokens, the rest lose 0.1 (mean +0.23, the default export's token-tree steps):
+    the long memory keeps drafting; a memory of about 5 steps (decay 0.8, the negative control) skips many of
+    them after runs of misses. A drafter that loses 0.1 every step is still skipped most of the time."""
+    from specdraft.decode.backoff import Backoff
+
+    rng = random.Random(0)
+    paying = [0.9 if rng.random() < 1 / 3 else -0.1 for _ in range(400)]
+    assert skipped_share(Backoff(max_skip=16), paying) < 0.05
+    assert skipped_share(Backoff(max_skip=16, decay=0.8, tolerance=0.0), paying) > 0.2
+    assert skipped_share(Backoff(max_skip=16), [-0.1] * 400) > 0.7
+
+
 def test_backoff_keeps_the_realized_record():
     """Steps the rule verified (a promise) but that made fewer tokens than plain decoding in their time count
     as failures; steps that pay bring the running mean back above zero; unpriced steps leave it alone."""
@@ -289,7 +314,8 @@ def test_backoff_keeps_the_realized_record():
         pattern.append(skipped)
         backoff.observe(2)  # the rule verified two positions
         backoff.settle(1, 1.5)  # neither survived: 1 token where plain decoding makes 1.5 in that time
-    assert pattern == [0, 1, 2, 4, 4] and backoff.net == pytest.approx(-0.5)
+    # the running mean starts from no evidence (0) and moves a twentieth of the way per step
+    assert pattern == [0, 1, 2, 4, 4] and backoff.net == pytest.approx(-0.5 * (1 - 0.95 ** 5))
     for _ in range(10):
         while backoff.should_skip():
             pass
