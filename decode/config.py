@@ -32,6 +32,10 @@ class ProposerConfig:
     # verify step took 3.9 instead of 5.4 ms on the Zen 4 EPYC), float32 or bfloat16. Each is lossless:
     # verification uses the q the drafter sampled from, whatever precision computed it.
     dtype: str = "auto"
+    # drafter/hybrid, greedy decoding: candidates drafted for the first position (the main chain's first token
+    # and the runners-up as one-token branches), all verified in one forward as a token tree (decode/tree.py);
+    # 1: one chain. Sampling drafts one chain.
+    branches: int = 1
 
 
 @dataclass

@@ -77,14 +77,16 @@ class SpecDecoder:
     def from_pretrained(cls, target: str | None = None, drafter: str | None = None,
                         proposer: str | None = None, scheduler: str = "fixed", num_draft: int | None = None,
                         dtype: str = "auto", backend: str = "auto", threads: int | None = None,
-                        device: str = "auto", calibration: str = "auto", kernel: str = "auto") -> "SpecDecoder":
+                        device: str = "auto", calibration: str = "auto", kernel: str = "auto",
+                        branches: int = 1) -> "SpecDecoder":
         """target: an alias, folder or HF id (None: the target a drafter export records, else the embedded
         default); drafter: an export folder (DIR/export of a distill run), refused for another target.
         proposer: drafter (the default with a drafter), ngram (prompt lookup, the default without),
         hybrid (lookup where it matches, the drafter elsewhere), model (a standalone causal LM at
         `drafter`), none (plain decoding). scheduler: fixed, threshold or cost (priced on this machine's
         cost profile, measured once and cached). num_draft: tokens drafted per step (default: the
-        drafter's block size, else 4). kernel: the fast backend's linear kernels (target.kernel)."""
+        drafter's block size, else 4). kernel: the fast backend's linear kernels (target.kernel). branches:
+        greedy first-position candidates verified as a token tree (proposer.branches; 1: one chain)."""
         proposer = proposer or ("drafter" if drafter else "ngram")
         if target is None:
             target = recorded_target(drafter) if drafter and proposer in ("drafter", "hybrid") else DEFAULT_TARGET
@@ -92,7 +94,7 @@ class SpecDecoder:
             raise ValueError(f"scheduler={scheduler!r}; choose fixed, threshold or cost (load is the batched engine's)")
         assets.ensure(target_modules(target) + proposer_modules(proposer), "SpecDecoder")
         loaded = load_target(target, dtype, threads, device)
-        made, _ = make_proposer(ProposerConfig(name=proposer, path=drafter), loaded, target, backend, kernel)
+        made, _ = make_proposer(ProposerConfig(name=proposer, path=drafter, branches=branches), loaded, target, backend, kernel)
         attach_calibration(made, drafter, calibration)
         num_draft = num_draft if num_draft is not None else (4 if made.max_draft is None else made.max_draft)
         decoder = cls(loaded, made, None, num_draft, build_backend(loaded.model, backend, kernel=kernel))

@@ -21,10 +21,15 @@ def proposer_modules(name: str) -> list[str]:
     return ["speculators"] if name in ("drafter", "hybrid") else []
 
 
-def drafter_proposer(drafter, feature_layers):
-    """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass)."""
-    proposer = Eagle3Proposer if kind(drafter.mode).unrolled else BlockDrafterProposer
-    return proposer(drafter, feature_layers)
+def drafter_proposer(drafter, feature_layers, branches: int = 1):
+    """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass).
+    branches: proposer.branches, the greedy token tree's first-position candidates (block drafters)."""
+    if kind(drafter.mode).unrolled:
+        if branches != 1:
+            raise ValueError(f"proposer.branches={branches} needs a block drafter (dspark, dflash); an Eagle-3 export "
+                             "drafts one chain: set proposer.branches=1")
+        return Eagle3Proposer(drafter, feature_layers)
+    return BlockDrafterProposer(drafter, feature_layers, branches=branches)
 
 
 DRAFTER_DTYPES = ("target", "auto", "float32", "bfloat16")
@@ -47,6 +52,9 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
     name=none is plain decoding (no drafting). backend/kernel: target.backend and target.kernel, which a
     trained drafter's fast twin follows."""
     name = cfg.name
+    if cfg.branches != 1 and name not in ("drafter", "hybrid"):
+        raise ValueError(f"proposer.branches={cfg.branches} applies to trained drafters (proposer=drafter or hybrid); "
+                         f"proposer={name} drafts one chain: set proposer.branches=1")
     lookup = lambda: NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats)  # noqa: E731
     if name == "none":
         return NoProposer(), None
@@ -59,7 +67,8 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
             raise ValueError(f"proposer={name} needs proposer.path=EXPORT (the export folder of a distill run)")
         drafter, feature_layers = load_drafter(cfg.path, target.model, target_name)
         drafter = to_dtype(drafter, drafter_dtype(cfg.dtype, target.model))  # rotary frequencies stay float32
-        proposer = drafter_proposer(drafter_for_backend(drafter, backend, kernel=kernel), feature_layers)  # the target's kernels
+        proposer = drafter_proposer(drafter_for_backend(drafter, backend, kernel=kernel), feature_layers,  # the target's kernels
+                                    cfg.branches)
         # hybrid: prompt lookup where it matches, the drafter elsewhere
         return (HybridProposer(lookup(), proposer) if name == "hybrid" else proposer), None
     raise ValueError(f"unknown proposer {name!r}; choose one of {[*PROPOSERS, 'none']}")

@@ -18,8 +18,9 @@ import torch
 
 from specdraft.decode.proposer import Proposal, Proposer
 from specdraft.decode.sampling import Sampler, sample
-from specdraft.decode.scheduler import at, backoff_count, break_even, cut, make_backoff, worth_drafting
+from specdraft.decode.scheduler import at, backoff_count, break_even, cut, make_backoff, with_tree, worth_drafting
 from specdraft.decode.session import CausalSession
+from specdraft.decode.tree import greedy_tree_accept, kept_rows, side_record
 from specdraft.decode.verifier import greedy_accept, rejection_accept
 
 
@@ -90,12 +91,15 @@ def speculative_generate(
     context = list(prompt_ids) + [first]
     proposer.start(list(context), features)  # features cover the prompt; context adds the pending token
     backoff = make_backoff(scheduler, proposer)
+    sides = side_record(proposer, sampler.greedy)  # token trees: how often their side branches paid so far
 
     while first not in eos_ids and len(result.output_ids) < max_new_tokens:
         room = max_new_tokens - len(result.output_ids)
         # Draft at most room - 1: a fully accepted block plus the target's token then fills `room` exactly.
         limit = min(num_draft, room - 1)
         rule = at(scheduler, len(context))
+        if sides is not None:
+            rule = with_tree(rule, sides.side_rows, sides.rate())
         if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit, proposer):
             proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
@@ -103,11 +107,17 @@ def speculative_generate(
             if backoff is not None:
                 backoff.observe(backoff_count(rule, proposal))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
-        logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
-        num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
-        target.rollback(kept_length + 1 + num_accepted)
+        verified = len(proposal.tokens)  # main-chain positions: what a pricing rule priced the step by
+        if proposal.alternatives:  # greedy: a token tree of the main chain and its sibling branches
+            proposal, num_accepted, next_token, features, side = _tree_step(target, context[-1], proposal, sampler)
+            if sides is not None:
+                sides.observe(side)
+        else:
+            logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
+            num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
+            target.rollback(kept_length + 1 + num_accepted)
         if backoff is not None and proposal.tokens:  # about the next steps only
-            backoff.settle(num_accepted + 1, break_even(rule, len(proposal.tokens)))
+            backoff.settle(num_accepted + 1, break_even(rule, verified))
 
         done = len(result.output_ids)
         stop = record_step(result, context, proposal, num_accepted, next_token, eos_ids, room)
@@ -118,6 +128,25 @@ def speculative_generate(
         proposer.commit(context, None if features is None else features[: 1 + num_accepted])
     result.total_s = time.perf_counter() - start
     return result
+
+
+def _tree_step(target: CausalSession, pending: int, proposal: Proposal, sampler: Sampler):
+    """One greedy verify step over a token tree (decode/tree.py): (the accepted branch as the step's proposal,
+    its accepted count, the target's next token, the features of the rows kept, whether that branch is a side
+    one). The cache keeps the pending token and the accepted path, in order, as a chain step would have left it."""
+    if not sampler.greedy:
+        raise ValueError("a proposal with alternative branches is verified greedily only; draft one chain for "
+                         "decode.temperature > 0 (proposer.branches=1)")
+    start = target.length
+    branches = [proposal.tokens, *proposal.alternatives]
+    logits, features = target.forward_tree(pending, branches)  # (T, V), (T, L*H)
+    branch, num_accepted, next_token = greedy_tree_accept(branches, logits)
+    rows = kept_rows(branches, branch, num_accepted)
+    target.keep(start, rows)
+    if branch:  # the statistics describe the branch that was accepted from (its confidences are the main chain's)
+        proposal = Proposal(branches[branch], confidence=proposal.confidence,
+                            confidence_logits=proposal.confidence_logits, scheduled=True)
+    return proposal, num_accepted, next_token, None if features is None else features[rows], branch > 0
 
 
 def draft(proposer, context: list[int], limit: int, sampler: Sampler, generator, rule) -> Proposal:

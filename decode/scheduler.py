@@ -106,28 +106,51 @@ class CostRule:
     (1 + Σ_{j≤ℓ} a_j) / (t_draft(ℓ) + t_verify(1 + ℓ)) improves; stop at the first non-improvement.
     Times come from a measured cost profile (decode/profile.py), at the step's context when the
     profile has curves at several contexts (`at`; None: the profile's base context). ℓ = 0 (plain
-    decoding this step) is chosen from c_1 alone, which needs only the backbone pass and the known anchor."""
+    decoding this step) is chosen from c_1 alone, which needs only the backbone pass and the known anchor.
+
+    A step that drafts a token tree (`with_tree`: greedy, proposer.branches > 1) verifies `side_rows` one-token
+    side branches beside any ℓ >= 1: they widen the verify to 1 + ℓ + side_rows rows and add `side_hit`, the
+    chance that one of them holds the target's token (the request's record so far: decode/tree.py SideRecord),
+    to the expected tokens. The events are disjoint (the main chain's first token or a side one), so the
+    expectation adds."""
 
     needs_confidence = True
 
-    def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None, drafting: bool = True):
+    def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None, drafting: bool = True,
+                 side_rows: int = 0, side_hit: float = 0.0):
         self.profile, self.rows, self.max_skip, self.context = profile, rows, max_skip, context
         self.drafting = drafting  # False: price the step without the profile's drafting time
+        self.side_rows, self.side_hit = side_rows, side_hit
+
+    def _with(self, **changes) -> "CostRule":
+        fields = dict(profile=self.profile, rows=self.rows, max_skip=self.max_skip, context=self.context,
+                      drafting=self.drafting, side_rows=self.side_rows, side_hit=self.side_hit)
+        return CostRule(**{**fields, **changes})
 
     def at(self, context_length: int) -> "CostRule":
-        return CostRule(self.profile, self.rows, self.max_skip, context_length, self.drafting)
+        return self._with(context=context_length)
 
     def without_drafting(self) -> "CostRule":
         """The same rule for a proposal whose drafting costs nothing next to the profile's drafter (a hybrid's
-        prompt lookup): only the verify time prices it."""
-        return CostRule(self.profile, self.rows, self.max_skip, self.context, drafting=False)
+        prompt lookup): only the verify time prices it. Lookup drafts no tree, so no side branches either."""
+        return self._with(drafting=False, side_rows=0, side_hit=0.0)
+
+    def with_tree(self, side_rows: int, side_hit: float) -> "CostRule":
+        """The rule for a step whose drafts carry `side_rows` one-token side branches that hold the target's
+        token with probability `side_hit` (known before the step: a record of earlier steps)."""
+        return self._with(side_rows=side_rows, side_hit=side_hit)
+
+    def _width(self, length: int) -> int:
+        """Verify rows of a step that drafts `length` main-chain positions (the tree's side rows with it)."""
+        return 1 + length + (self.side_rows if length else 0)
 
     def rate(self, confidences: list[float]) -> float:
         """Expected tokens per second of this step verifying len(confidences) positions. The backbone pass
         that produced c_1 is already spent when the rule is asked, so ℓ = 0 counts it too (draft_s(0)):
         the step's decision is the best one given its probe. Whether probing paid is `pays`' question."""
         drafting = self.profile.draft_s(len(confidences), self.context) if self.drafting else 0.0
-        return expected_tokens(confidences) / (drafting + self._verify(1 + len(confidences)))
+        side = self.side_hit if confidences else 0.0
+        return (expected_tokens(confidences) + side) / (drafting + self._verify(self._width(len(confidences))))
 
     def _verify(self, length: int) -> float:
         return self.profile.verify_s(self.rows, length, context=self.context)
@@ -145,13 +168,18 @@ class CostRule:
         """Tokens a step verifying `verified` drafted positions must produce to match plain decoding in the
         time it takes (drafting included): the backoff's bar for a finished step (`Backoff.settle`)."""
         drafting = self.profile.draft_s(verified, self.context) if self.drafting else 0.0
-        return (drafting + self._verify(1 + verified)) / self._verify(1)
+        return (drafting + self._verify(self._width(verified))) / self._verify(1)
 
     def can_pay(self, limit: int) -> bool:
         """Whether some ℓ <= limit could beat plain decoding at this context if every position survived."""
         draft_s = (lambda length: self.profile.draft_s(length, self.context)) if self.drafting else (lambda length: 0.0)
         return can_pay(self.rows, 1, limit, draft_s,
                        lambda rows, length: self.profile.verify_s(rows, length, context=self.context))
+
+
+def with_tree(rule, side_rows: int, side_hit: float):
+    """The rule for a step that drafts a token tree of `side_rows` side branches (rules that price steps)."""
+    return rule.with_tree(side_rows, side_hit) if hasattr(rule, "with_tree") else rule
 
 
 def cut(proposal: Proposal, rule) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.decode.backend import as_backend
+from specdraft.decode.tree import tree_mask, tree_rows
 
 
 class CausalSession:
@@ -40,6 +41,44 @@ class CausalSession:
                                         feature_layers=self.feature_layers)
         self.length += len(token_ids)
         return logits[0], None if features is None else features[0]  # (T, V), (T, L*H)
+
+    @torch.inference_mode()
+    def forward_tree(self, pending: int, branches: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append the pending token and the drafted branches below it as a token tree (decode/tree.py: each
+        branch sees the context, the pending token and its own earlier tokens); logits (T, V) and features
+        (T, L*H) in tree_rows' order. `keep` then leaves the pending token and one accepted path."""
+        tokens, depths = tree_rows(branches)
+        width = 1 + len(tokens)
+        if self.context_window and self.length + width > self.context_window:
+            raise ValueError(
+                f"sequence of {self.length + width} tokens exceeds the model's context window "
+                f"({self.context_window}); shorten the prompt or lower decode.max_new_tokens"
+            )
+        device = self.model.device
+        input_ids = torch.tensor([[pending, *tokens]], dtype=torch.long, device=device)  # (1, T)
+        position_ids = torch.tensor([[self.length + d for d in (0, *depths)]], device=device)  # (1, T)
+        mask = tree_mask(branches, self.length, self.model.dtype, device)  # (1, 1, T, S + T)
+        logits, features = self.backend(input_ids, self.cache, position_ids=position_ids, attention_mask=mask,
+                                        feature_layers=self.feature_layers)
+        self.length += width
+        return logits[0], None if features is None else features[0]
+
+    @torch.inference_mode()
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a forward that began at cache length `start`: keep its rows `rows` (increasing), moved to
+        slots start, start + 1, ...; drop the rest (a token tree's rejected branches)."""
+        fed = self.length - start
+        if rows != sorted(set(rows)) or any(not 0 <= r < fed for r in rows):
+            raise ValueError(f"rows {rows} are not increasing rows of the last forward (it fed {fed} tokens)")
+        if rows == list(range(len(rows))):  # a prefix (the main chain's): nothing moves
+            self.rollback(start + len(rows))
+            return
+        index = torch.tensor([start + r for r in rows], device=self.model.device)
+        for layer in self.cache.layers:
+            # index gathers copies first, so moving rows down over slots still to be read is safe
+            layer.keys[:, :, start : start + len(rows)] = layer.keys[:, :, index]
+            layer.values[:, :, start : start + len(rows)] = layer.values[:, :, index]
+        self.rollback(start + len(rows))
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` positions of the cache."""
