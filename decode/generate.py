@@ -143,9 +143,9 @@ def _tree_step(target: CausalSession, pending: int, proposal: Proposal, sampler:
     branch, num_accepted, next_token = greedy_tree_accept(branches, logits)
     rows = kept_rows(branches, branch, num_accepted)
     target.keep(start, rows)
-    if branch:  # the statistics describe the branch that was accepted from (its confidences are the main chain's)
-        proposal = Proposal(branches[branch], confidence=proposal.confidence,
-                            confidence_logits=proposal.confidence_logits, scheduled=True)
+    if branch:  # the statistics describe the side branch taken: one drafted token, accepted, no confidences (the
+        # main chain's describe positions that were rejected; calibration and the oracle skip such steps, as lookup's)
+        proposal = Proposal(branches[branch], scheduled=True)
     return proposal, num_accepted, next_token, None if features is None else features[rows], branch > 0
 
 

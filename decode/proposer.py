@@ -592,6 +592,11 @@ class HybridProposer:
     def calibration(self):
         return getattr(self.trained, "calibration", None)
 
+    @property
+    def branches(self) -> int:
+        """The drafter part's token-tree width (lookup drafts chains): what a pricing rule prices its steps by."""
+        return getattr(self.trained, "branches", 1)
+
     @calibration.setter
     def calibration(self, value) -> None:
         self.trained.calibration = value

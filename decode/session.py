@@ -49,9 +49,11 @@ class CausalSession:
         (T, L*H) in tree_rows' order. `keep` then leaves the pending token and one accepted path."""
         tokens, depths = tree_rows(branches)
         width = 1 + len(tokens)
-        if self.context_window and self.length + width > self.context_window:
+        # The deepest path is the longest sequence the step can leave (side rows share positions).
+        deepest = self.length + 1 + max(depths, default=0)
+        if self.context_window and deepest > self.context_window:
             raise ValueError(
-                f"sequence of {self.length + width} tokens exceeds the model's context window "
+                f"sequence of {deepest} tokens exceeds the model's context window "
                 f"({self.context_window}); shorten the prompt or lower decode.max_new_tokens"
             )
         device = self.model.device

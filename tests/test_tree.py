@@ -218,3 +218,55 @@ def test_cost_scheduled_tree_decoding_equals_hf_generate():
             got = speculative_generate(session, prompt, BlockDrafterProposer(drafter, (1, 2), branches=3),
                                        GenerateConfig(GREEDY, 20, 3, scheduler=rule))
             assert got.output_ids == hf_greedy(target, prompt, 20), (backend, case)
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_a_tree_step_hands_the_proposer_the_features_a_chain_step_would(target_model, backend):
+    from specdraft.decode.generate import _tree_step
+
+    prompt, pending, side = [3, 1, 4, 1, 5], 9, 2
+    tree = CausalSession(backends(target_model)[backend], feature_layers=(1, 2))
+    tree.forward(prompt)
+    logits, _ = CausalSession(target_model).forward(prompt + [pending])
+    right = int(logits[-1].argmax())  # the target's token after the pending one: offered as a side branch
+    wrong = (right + 1) % target_model.config.vocab_size
+    taken, accepted, _, features, was_side = _tree_step(tree, pending, Proposal([wrong, 7], alternatives=[[right]]),
+                                                         GREEDY)
+    assert (taken.tokens, accepted, was_side) == ([right], 1, True) and taken.confidence_logits is None
+    chain = CausalSession(backends(target_model)[backend], feature_layers=(1, 2))
+    chain.forward(prompt)
+    _, chain_features = chain.forward([pending, right])
+    torch.testing.assert_close(features, chain_features, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_decoding_stops_at_eos_and_at_the_token_limit_as_hf_generate(target_model, other_model):
+    rng = random.Random(11)
+    for case in range(6):
+        prompt = [rng.randrange(1, 64) for _ in range(6)]
+        free = hf_greedy(target_model, prompt, 12)
+        eos = free[rng.randrange(1, 6)]  # a token the target does generate, so EOS comes mid-output
+        for limit in (1, 2, 7):
+            proposer = TreeProposer(other_model, target_model, seed=case)
+            got = speculative_generate(CausalSession(target_model), prompt, proposer,
+                                       GenerateConfig(GREEDY, limit, 3, [eos]))
+            assert got.output_ids == hf_greedy(target_model, prompt, limit, [eos]), (case, limit)
+
+
+def test_the_context_window_bounds_a_tree_by_its_deepest_path(target_model):
+    session = CausalSession(target_model)
+    session.forward([3, 1, 4])
+    session.context_window = 3 + 1 + 1  # room for the pending token and one drafted position
+    logits, _ = session.forward_tree(9, [[5], [6], [7]])  # three side rows, each one position deep: fits
+    assert logits.shape[0] == 4
+    session.keep(3, [0])
+    with pytest.raises(ValueError, match="exceeds the model's context window"):
+        session.forward_tree(9, [[5, 6], [7]])
+
+
+def test_the_hybrid_prices_its_drafter_part_s_tree():
+    from specdraft.decode.proposer import HybridProposer, NgramProposer
+    from specdraft.decode.tree import side_record
+
+    _, drafter = make_drafter("dspark")
+    hybrid = HybridProposer(NgramProposer(3, 1), BlockDrafterProposer(drafter, (1, 2), branches=3))
+    assert hybrid.branches == 3 and side_record(hybrid, greedy=True).side_rows == 2
