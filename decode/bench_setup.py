@@ -17,6 +17,7 @@ from specdraft.decode.config import BenchConfig
 from specdraft.decode.factory import attach_calibration, make_proposer, proposer_modules
 from specdraft.decode.generate import Generation
 from specdraft.decode.sampling import Sampler
+from specdraft.decode.tree import side_rows
 from specdraft.io import assets
 from specdraft.io.data import chat_prompt_ids, load_prompts, source_modules
 from specdraft.io.target import eos_ids, load_target, target_modules
@@ -105,7 +106,8 @@ class BenchSetup:
         block = self.proposer.max_draft or cfg.decode.num_draft
         sizes = sorted(set(cfg.bench.concurrency) | {1})
         return load_or_measure(cfg.target.name_or_path, self.backend, self.proposer, cfg.proposer.path, block,
-                               sizes, cfg.scheduler.profile_context, contexts=cfg.scheduler.profile_contexts)
+                               sizes, cfg.scheduler.profile_context, contexts=cfg.scheduler.profile_contexts,
+                               tree_rows=side_rows(self.proposer, cfg.decode.temperature == 0))
 
 
 def with_verifier(cfg: BenchConfig) -> BenchConfig:

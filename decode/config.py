@@ -32,10 +32,13 @@ class ProposerConfig:
     # verify step took 3.9 instead of 5.4 ms on the Zen 4 EPYC), float32 or bfloat16. Each is lossless:
     # verification uses the q the drafter sampled from, whatever precision computed it.
     dtype: str = "auto"
-    # drafter/hybrid, greedy decoding: candidates drafted for the first position (the main chain's first token
-    # and the runners-up as one-token branches), all verified in one forward as a token tree (decode/tree.py);
-    # 1: one chain. Sampling drafts one chain.
+    # drafter/hybrid/ngram, greedy decoding: candidates drafted for the first position (the main chain's first token
+    # and, as side branches, the drafter's runners-up or what else followed the last token in the context), all
+    # verified in one forward as a token tree (decode/tree.py); 1: one chain. Sampling drafts one chain.
     branches: int = 1
+    # ngram with branches > 1: the most tokens each side branch (another earlier continuation of the last token,
+    # decode/proposer.py ngram_siblings) holds; it is never longer than the main chain's verified draft.
+    side_length: int = 1
 
 
 @dataclass

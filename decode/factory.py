@@ -52,14 +52,15 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
     name=none is plain decoding (no drafting). backend/kernel: target.backend and target.kernel, which a
     trained drafter's fast twin follows."""
     name = cfg.name
-    if cfg.branches != 1 and name not in ("drafter", "hybrid"):
-        raise ValueError(f"proposer.branches={cfg.branches} applies to trained drafters (proposer=drafter or hybrid); "
-                         f"proposer={name} drafts one chain: set proposer.branches=1")
+    if cfg.branches != 1 and name not in ("drafter", "hybrid", "ngram"):
+        raise ValueError(f"proposer.branches={cfg.branches} applies to trained drafters and prompt lookup (proposer="
+                         f"drafter, hybrid or ngram); proposer={name} drafts one chain: set proposer.branches=1")
     lookup = lambda: NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats)  # noqa: E731
     if name == "none":
         return NoProposer(), None
-    if name == "ngram":
-        return lookup(), None
+    if name == "ngram":  # a hybrid's lookup part drafts one chain: its branches are the drafter's
+        return NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats, branches=cfg.branches,
+                             side_length=cfg.side_length), None
     if name == "model":
         return load_model_proposer(cfg.path or target.path, cfg.num_layers, target)
     if name in ("drafter", "hybrid"):

@@ -99,7 +99,7 @@ def speculative_generate(
         limit = min(num_draft, room - 1)
         rule = at(scheduler, len(context))
         if sides is not None:
-            rule = with_tree(rule, sides.side_rows, sides.rate())
+            rule = with_tree(rule, sides.side_branches, sides.rate(), sides.side_length)
         if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit, proposer):
             proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
@@ -111,7 +111,7 @@ def speculative_generate(
         if proposal.alternatives:  # greedy: a token tree of the main chain and its sibling branches
             proposal, num_accepted, next_token, features, side = _tree_step(target, context[-1], proposal, sampler)
             if sides is not None:
-                sides.observe(side)
+                sides.observe(num_accepted if side else 0)
         else:
             logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
             num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)

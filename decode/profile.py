@@ -346,10 +346,13 @@ def measure_draft_batched(proposer, model, context_length: int, max_draft: int, 
 
 def load_or_measure(target_name: str, model, proposer, drafter_path: str | None, block_size: int,
                     batch_sizes: list[int], context_length: int = 256, repeats: int = 5,
-                    cache_dir: Path | None = None, contexts: list[int] = ()) -> tuple[CostProfile, Path, bool]:
+                    cache_dir: Path | None = None, contexts: list[int] = (),
+                    tree_rows: int = 0) -> tuple[CostProfile, Path, bool]:
     """The profile for this fingerprint: from the cache, else measured now and cached (atomically).
     `contexts`: further context lengths the one-request curves are measured at (the cost scheduler
-    then prices each step at its own context). Returns (profile, its file, whether it was measured now)."""
+    then prices each step at its own context). `tree_rows`: the most rows a token tree's side branches add
+    to a step (decode/tree.py): verify curves reach 1 + block_size + tree_rows tokens, so a tree step is
+    priced on its own width, not the widest chain's. Returns (profile, its file, whether it was measured now)."""
     if any(int(c) < 1 for c in contexts):
         raise ValueError(f"scheduler.profile_contexts={list(contexts)}: context lengths must be >= 1")
     # Contexts a step of this target can reach (prompt + block within its window), the base one apart.
@@ -359,6 +362,9 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
     fingerprint = profile_fingerprint(target_name, model, drafter_path, model.dtype, block_size, batch_sizes,
                                       context_length, contexts,
                                       None if trained is None else trained.embed_tokens.weight.dtype)
+    if tree_rows:
+        fingerprint["tree_rows"] = int(tree_rows)
+    widest = block_size + 1 + max(int(tree_rows), 0)  # verify tokens: pending + a full block (+ side branches)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir or os.environ.get("SPECDRAFT_PROFILE_DIR") or CACHE_DIR) / f"{key}.json"
     if path.is_file():
@@ -368,7 +374,7 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
                 return CostProfile(**data), path, False
         except (OSError, ValueError, TypeError):
             pass  # unreadable or stale: measure again and overwrite
-    verify = measure_verify(model, proposer.feature_layers if proposer else (), block_size + 1, batch_sizes,
+    verify = measure_verify(model, proposer.feature_layers if proposer else (), widest, batch_sizes,
                             context_length, repeats)
     # A hybrid's drafting curve is its trained part's: its lookup steps are priced without drafting
     # (CostRule.without_drafting), and a random context could otherwise time a lookup instead.
@@ -376,7 +382,7 @@ def load_or_measure(target_name: str, model, proposer, drafter_path: str | None,
     draft = measure_draft(drafting, model, context_length, block_size, repeats)
     draft_batched = measure_draft_batched(drafting, model, context_length, block_size, batch_sizes, repeats)
     feature_layers = proposer.feature_layers if proposer else ()
-    by_context = {str(c): {"verify": measure_single_verify(model, feature_layers, block_size + 1, c, repeats),
+    by_context = {str(c): {"verify": measure_single_verify(model, feature_layers, widest, c, repeats),
                            "draft": measure_draft(drafting, model, c, block_size, repeats)} for c in contexts} or None
     profile = CostProfile(fingerprint=fingerprint, verify=verify, draft=draft, context_length=context_length,
                           draft_batched=draft_batched, by_context=by_context)

@@ -89,22 +89,29 @@ class NoProposer:
         pass
 
 
+def suffix_occurrences(context_ids: list[int], max_ngram: int):
+    """(end, n) for each earlier occurrence of the context's last token, most recent first (recent repetitions
+    predict the continuation best): `end` its index, n how many tokens ending there equal the context's
+    suffix (extended backwards, at most `max_ngram`)."""
+    size = len(context_ids)
+    last = context_ids[-1]
+    for end in range(size - 2, -1, -1):
+        if context_ids[end] != last:
+            continue
+        n = 1
+        while n < max_ngram and end - n >= 0 and context_ids[end - n] == context_ids[size - 1 - n]:
+            n += 1
+        yield end, n
+
+
 def ngram_match(context_ids: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
     """The longest suffix of the context (at most `max_ngram` tokens, at least `min_ngram`) that occurred
     earlier, and the tokens that followed its most recent such occurrence: (match length, continuation).
     (0, []) when no suffix of `min_ngram` tokens recurs."""
-    length = len(context_ids)
-    if length < 2:
+    if len(context_ids) < 2:
         return 0, []
-    last, best, start = context_ids[-1], 0, -1
-    # Candidates end where the last token occurred before, most recent first (recent repetitions predict
-    # the continuation best); each is extended backwards while it matches the context's suffix.
-    for end in range(length - 2, -1, -1):
-        if context_ids[end] != last:
-            continue
-        n = 1
-        while n < max_ngram and end - n >= 0 and context_ids[end - n] == context_ids[length - 1 - n]:
-            n += 1
+    best, start = 0, -1
+    for end, n in suffix_occurrences(context_ids, max_ngram):
         if n > best:
             best, start = n, end + 1
             if n == max_ngram:
@@ -112,6 +119,27 @@ def ngram_match(context_ids: list[int], num_draft: int, max_ngram: int, min_ngra
     if best < min_ngram:
         return 0, []
     return best, context_ids[start : start + num_draft]
+
+
+def ngram_siblings(context_ids: list[int], first: int, count: int, length: int, max_ngram: int) -> list[list[int]]:
+    """Up to `count` other continuations of the context's last token, each at most `length` tokens, with first
+    tokens distinct from `first` and from each other: what followed its earlier occurrences, those whose
+    preceding tokens match the context's suffix longest first, then the most recent. Where the main lookup
+    draft's first token is wrong, the text often continued differently elsewhere (a variable used with
+    several methods, a list whose items start alike): these are a token tree's side branches (decode/tree.py)."""
+    if count < 1 or length < 1 or len(context_ids) < 2:
+        return []
+    # (-match length, -end: the most recent first among equal matches, continuation)
+    found = sorted((-n, -end, context_ids[end + 1 : end + 1 + length])
+                   for end, n in suffix_occurrences(context_ids, max_ngram))
+    siblings, seen = [], {first}
+    for _, _, continuation in found:
+        if continuation[0] not in seen:
+            seen.add(continuation[0])
+            siblings.append(continuation)
+            if len(siblings) == count:
+                break
+    return siblings
 
 
 def ngram_lookup(context_ids: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -162,18 +190,24 @@ class NgramProposer:
     PROBE_EVERY = 8
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int | None = None,
-                 share_stats: bool = True, stats: SurvivalStats | None = None):
+                 share_stats: bool = True, stats: SurvivalStats | None = None, branches: int = 1,
+                 side_length: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= proposer.min_ngram ({min_ngram}) <= proposer.max_ngram ({max_ngram})")
+        if branches < 1 or side_length < 1:
+            raise ValueError(f"proposer.branches={branches} and proposer.side_length={side_length} must be >= 1")
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
         self.share_stats = share_stats
         self.stats = stats or SurvivalStats(max_ngram)
-        self.pending: tuple[int, int, int] | None = None  # (context length, match length, tokens) of the last proposal
+        # greedy token trees: up to branches - 1 side branches of at most side_length tokens (ngram_siblings)
+        self.branches, self.side_length = branches, side_length
+        # the last proposal: (context length, match length, main-chain tokens verified)
+        self.pending: tuple[int, int, list[int]] | None = None
 
     def clone(self):
         """One per concurrent request: its own pending step; the statistics shared unless share_stats=False."""
         return NgramProposer(self.max_ngram, self.min_ngram, self.max_draft, self.share_stats,
-                             self.stats if self.share_stats else None)
+                             self.stats if self.share_stats else None, self.branches, self.side_length)
 
     def start(self, context_ids, features):
         self.pending = None
@@ -196,9 +230,14 @@ class NgramProposer:
                 # PROBE_EVERY-th declined proposal of a match length verifies its first position anyway.
                 self.stats.declined[matched] += 1
                 keep = int(self.stats.declined[matched] % self.PROBE_EVERY == 0)
-        self.pending = (len(context_ids), matched, keep)
+        self.pending = (len(context_ids), matched, tokens[:keep])
+        alternatives = []
+        if self.branches > 1 and keep and sampler.greedy:  # a token tree is verified greedily only
+            alternatives = ngram_siblings(context_ids, tokens[0], self.branches - 1, min(keep, self.side_length),
+                                          self.max_ngram)
         # scheduled: cut by the rule here (a probe included), so the loop must not cut it again
-        return Proposal(tokens[:keep], confidence=confidence[:keep], scheduled=rule is not None)
+        return Proposal(tokens[:keep], confidence=confidence[:keep], scheduled=rule is not None,
+                        alternatives=alternatives)
 
     def admitted(self, length: int) -> None:
         """scheduler=load cut the last proposal to `length` positions after propose(): only those are verified,
@@ -206,14 +245,16 @@ class NgramProposer:
         pays wherever admission once declined it, and admission would then never try it again)."""
         if self.pending is not None:
             context, matched, drafted = self.pending
-            self.pending = (context, matched, min(drafted, length))
+            self.pending = (context, matched, drafted[:length])
 
     def commit(self, context_ids, features):
-        # The step kept its accepted drafts and the target's own token: accepted = new tokens - 1.
+        # The step kept its accepted drafts and the target's own token after them. What the main chain got
+        # right is its common prefix with them: every accepted token of a chain step, none where a side
+        # branch of a tree held the target's token (its first token differs from the main chain's).
         if self.pending is not None:
             length, matched, drafted = self.pending
             if drafted:
-                self.stats.observe(matched, drafted, len(context_ids) - length - 1)
+                self.stats.observe(matched, len(drafted), common_prefix_length(drafted, context_ids[length:]))
         self.pending = None
 
 

@@ -108,23 +108,24 @@ class CostRule:
     profile has curves at several contexts (`at`; None: the profile's base context). ℓ = 0 (plain
     decoding this step) is chosen from c_1 alone, which needs only the backbone pass and the known anchor.
 
-    A step that drafts a token tree (`with_tree`: greedy, proposer.branches > 1) verifies `side_rows` one-token
-    side branches beside any ℓ >= 1: they widen the verify to 1 + ℓ + side_rows rows and add `side_hit`, the
-    chance that one of them holds the target's token (the request's record so far: decode/tree.py SideRecord),
-    to the expected tokens. The events are disjoint (the main chain's first token or a side one), so the
-    expectation adds."""
+    A step that drafts a token tree (`with_tree`: greedy, proposer.branches > 1) verifies `side_branches` side
+    branches of up to `side_length` tokens (at most ℓ) beside any ℓ >= 1: they widen the verify to
+    1 + ℓ + side_branches * min(ℓ, side_length) rows and add `side_hit`, the tokens they gave per step (the
+    request's record so far: decode/tree.py SideRecord), to the expected tokens. The events are disjoint (the
+    main chain's first token or a side one's), so the expectation adds."""
 
     needs_confidence = True
 
     def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None, drafting: bool = True,
-                 side_rows: int = 0, side_hit: float = 0.0):
+                 side_branches: int = 0, side_hit: float = 0.0, side_length: int = 1):
         self.profile, self.rows, self.max_skip, self.context = profile, rows, max_skip, context
         self.drafting = drafting  # False: price the step without the profile's drafting time
-        self.side_rows, self.side_hit = side_rows, side_hit
+        self.side_branches, self.side_hit, self.side_length = side_branches, side_hit, side_length
 
     def _with(self, **changes) -> "CostRule":
         fields = dict(profile=self.profile, rows=self.rows, max_skip=self.max_skip, context=self.context,
-                      drafting=self.drafting, side_rows=self.side_rows, side_hit=self.side_hit)
+                      drafting=self.drafting, side_branches=self.side_branches, side_hit=self.side_hit,
+                      side_length=self.side_length)
         return CostRule(**{**fields, **changes})
 
     def at(self, context_length: int) -> "CostRule":
@@ -133,16 +134,16 @@ class CostRule:
     def without_drafting(self) -> "CostRule":
         """The same rule for a proposal whose drafting costs nothing next to the profile's drafter (a hybrid's
         prompt lookup): only the verify time prices it. Lookup drafts no tree, so no side branches either."""
-        return self._with(drafting=False, side_rows=0, side_hit=0.0)
+        return self._with(drafting=False, side_branches=0, side_hit=0.0)
 
-    def with_tree(self, side_rows: int, side_hit: float) -> "CostRule":
-        """The rule for a step whose drafts carry `side_rows` one-token side branches that hold the target's
-        token with probability `side_hit` (known before the step: a record of earlier steps)."""
-        return self._with(side_rows=side_rows, side_hit=side_hit)
+    def with_tree(self, side_branches: int, side_hit: float, side_length: int = 1) -> "CostRule":
+        """The rule for a step whose drafts carry `side_branches` side branches of up to `side_length` tokens
+        that give `side_hit` tokens per step (known before the step: a record of earlier steps)."""
+        return self._with(side_branches=side_branches, side_hit=side_hit, side_length=side_length)
 
     def _width(self, length: int) -> int:
         """Verify rows of a step that drafts `length` main-chain positions (the tree's side rows with it)."""
-        return 1 + length + (self.side_rows if length else 0)
+        return 1 + length + self.side_branches * min(length, self.side_length)
 
     def rate(self, confidences: list[float]) -> float:
         """Expected tokens per second of this step verifying len(confidences) positions. The backbone pass
@@ -177,9 +178,9 @@ class CostRule:
                        lambda rows, length: self.profile.verify_s(rows, length, context=self.context))
 
 
-def with_tree(rule, side_rows: int, side_hit: float):
-    """The rule for a step that drafts a token tree of `side_rows` side branches (rules that price steps)."""
-    return rule.with_tree(side_rows, side_hit) if hasattr(rule, "with_tree") else rule
+def with_tree(rule, side_branches: int, side_hit: float, side_length: int = 1):
+    """The rule for a step that drafts a token tree of `side_branches` side branches (rules that price steps)."""
+    return rule.with_tree(side_branches, side_hit, side_length) if hasattr(rule, "with_tree") else rule
 
 
 def cut(proposal: Proposal, rule) -> int:

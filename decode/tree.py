@@ -78,25 +78,34 @@ def kept_rows(branches: list[list[int]], branch: int, accepted: int) -> list[int
 
 
 class SideRecord:
-    """One request's record of its tree steps: how often a side branch held the target's token. A scheduler
-    that prices steps (scheduler=cost) adds this rate to a tree step's expected tokens; it reads finished
-    steps only, so a step's verified set never depends on the tokens being verified. The prior (`hits` in
-    `steps`) stands for the steps not seen yet: 1 in 8, below the 15% the default export's runners-up hit on
-    held-out ShareGPT, so a request starts cautious and earns its own rate."""
+    """One request's record of its tree steps: how many tokens its side branches gave per step (a one-token
+    branch: how often one held the target's token). A scheduler that prices steps (scheduler=cost) adds this
+    rate to a tree step's expected tokens; it reads finished steps only, so a step's verified set never
+    depends on the tokens being verified. The prior (`hits` in `steps`) stands for the steps not seen yet:
+    1 in 8, below the 15% the default export's runners-up hit on held-out ShareGPT, so a request starts
+    cautious and earns its own rate. `side_length`: the most tokens a side branch holds (prompt lookup's may
+    be chains; a drafter's are one token)."""
 
-    def __init__(self, side_rows: int, hits: float = 1.0, steps: float = 8.0):
-        self.side_rows, self.hits, self.steps = side_rows, hits, steps
+    def __init__(self, side_branches: int, hits: float = 1.0, steps: float = 8.0, side_length: int = 1):
+        self.side_branches, self.hits, self.steps, self.side_length = side_branches, hits, steps, side_length
 
     def rate(self) -> float:
         return self.hits / self.steps
 
-    def observe(self, side_accepted: bool) -> None:
-        """After a tree step: whether the accepted branch was a side one."""
-        self.hits += float(side_accepted)
+    def observe(self, side_tokens: int) -> None:
+        """After a tree step: the drafted tokens accepted from a side branch (0 where the main chain's first
+        token was the target's, or none was)."""
+        self.hits += float(side_tokens)
         self.steps += 1.0
 
 
 def side_record(proposer, greedy: bool) -> SideRecord | None:
     """A record for a request whose proposer drafts token trees (proposer.branches > 1, greedy), else None."""
     branches = getattr(proposer, "branches", 1)
-    return SideRecord(branches - 1) if greedy and branches > 1 else None
+    return SideRecord(branches - 1, side_length=getattr(proposer, "side_length", 1)) if greedy and branches > 1 else None
+
+
+def side_rows(proposer, greedy: bool) -> int:
+    """The most verify rows a proposer's token tree adds beside its main chain (0: it drafts one chain)."""
+    record = side_record(proposer, greedy)
+    return 0 if record is None else record.side_branches * record.side_length

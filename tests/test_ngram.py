@@ -63,7 +63,7 @@ def test_a_rule_cuts_inside_propose_and_only_verified_positions_are_counted():
     proposer = NgramProposer(max_ngram=2)
     context = [1, 2, 3, 4, 1, 2]
     proposal = proposer.propose(context, 4, Sampler(), None, ThresholdRule(0.6))  # prior 0.5 < 0.6: nothing
-    assert proposal.tokens == [] and proposer.pending == (6, 2, 0)
+    assert proposal.tokens == [] and proposer.pending == (6, 2, [])
     proposal = proposer.propose(context, 4, Sampler(), None, None)
     assert proposal.tokens == [3, 4, 1, 2] and proposal.confidence.tolist() == [0.5] * 4
     proposer.commit(context + [3, 4, 9], None)  # two drafts accepted, then the target's own token

@@ -164,7 +164,7 @@ def test_block_drafter_tree_decoding_equals_hf_generate(num_draft):
 
 def test_branches_are_refused_where_they_do_not_apply(target_model):
     with pytest.raises(ValueError, match="proposer.branches=2 applies to trained drafters"):
-        make_proposer(ProposerConfig(name="ngram", branches=2), None, "tiny")
+        make_proposer(ProposerConfig(name="model", branches=2), None, "tiny")
     _, drafter = make_drafter("dspark")
     with pytest.raises(ValueError, match="proposer.branches=0"):
         BlockDrafterProposer(drafter, (1, 2), branches=0)
@@ -186,7 +186,7 @@ def test_cost_rule_prices_a_tree_by_its_width_and_its_side_hits():
     assert tree.break_even(1) == pytest.approx((profile.draft_s(1) + profile.verify_s(1, 4)) / profile.verify_s(1, 1))
     # a first position too weak to pay alone (chain: c > 0.2 pays here) pays with likely side hits (c > 0.167)
     assert not chain.verify([0.18]) and tree.verify([0.18])
-    assert tree.at(12).side_hit == 0.3 and tree.without_drafting().side_rows == 0
+    assert tree.at(12).side_hit == 0.3 and tree.without_drafting().side_branches == 0
     assert with_tree(object, 2, 0.3) is object  # rules that do not price steps are left as they are
 
 
@@ -199,7 +199,7 @@ def test_side_record_starts_cautious_and_learns_the_requests_rate():
         record.observe(hit)
     assert record.rate() == pytest.approx(7 / 16)
     _, drafter = make_drafter("dspark")
-    assert side_record(BlockDrafterProposer(drafter, (1, 2), branches=3), greedy=True).side_rows == 2
+    assert side_record(BlockDrafterProposer(drafter, (1, 2), branches=3), greedy=True).side_branches == 2
     assert side_record(BlockDrafterProposer(drafter, (1, 2), branches=3), greedy=False) is None
     assert side_record(BlockDrafterProposer(drafter, (1, 2)), greedy=True) is None
 
@@ -269,4 +269,4 @@ def test_the_hybrid_prices_its_drafter_part_s_tree():
 
     _, drafter = make_drafter("dspark")
     hybrid = HybridProposer(NgramProposer(3, 1), BlockDrafterProposer(drafter, (1, 2), branches=3))
-    assert hybrid.branches == 3 and side_record(hybrid, greedy=True).side_rows == 2
+    assert hybrid.branches == 3 and side_record(hybrid, greedy=True).side_branches == 2
