@@ -21,6 +21,7 @@ from specdraft.decode.generate import GenerateConfig, Generation, speculative_ge
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import SCHEDULERS, build_scheduler
 from specdraft.decode.session import CausalSession
+from specdraft.decode.tree import side_rows
 from specdraft.io import assets
 from specdraft.io.data import chat_prompt_ids
 from specdraft.io.target import Target, eos_ids, load_target, target_modules
@@ -78,7 +79,7 @@ class SpecDecoder:
                         proposer: str | None = None, scheduler: str = "fixed", num_draft: int | None = None,
                         dtype: str = "auto", backend: str = "auto", threads: int | None = None,
                         device: str = "auto", calibration: str = "auto", kernel: str = "auto",
-                        branches: int = 1) -> "SpecDecoder":
+                        branches: int = 1, side_length: int = 1) -> "SpecDecoder":
         """target: an alias, folder or HF id (None: the target a drafter export records, else the embedded
         default); drafter: an export folder (DIR/export of a distill run), refused for another target.
         proposer: drafter (the default with a drafter), ngram (prompt lookup, the default without),
@@ -86,7 +87,8 @@ class SpecDecoder:
         `drafter`), none (plain decoding). scheduler: fixed, threshold or cost (priced on this machine's
         cost profile, measured once and cached). num_draft: tokens drafted per step (default: the
         drafter's block size, else 4). kernel: the fast backend's linear kernels (target.kernel). branches:
-        greedy first-position candidates verified as a token tree (proposer.branches; 1: one chain)."""
+        greedy first-position candidates verified as a token tree (proposer.branches; 1: one chain);
+        side_length: prompt lookup's side branches' most tokens (proposer.side_length)."""
         proposer = proposer or ("drafter" if drafter else "ngram")
         if target is None:
             target = recorded_target(drafter) if drafter and proposer in ("drafter", "hybrid") else DEFAULT_TARGET
@@ -94,7 +96,8 @@ class SpecDecoder:
             raise ValueError(f"scheduler={scheduler!r}; choose fixed, threshold or cost (load is the batched engine's)")
         assets.ensure(target_modules(target) + proposer_modules(proposer), "SpecDecoder")
         loaded = load_target(target, dtype, threads, device)
-        made, _ = make_proposer(ProposerConfig(name=proposer, path=drafter, branches=branches), loaded, target, backend, kernel)
+        made, _ = make_proposer(ProposerConfig(name=proposer, path=drafter, branches=branches, side_length=side_length),
+                                loaded, target, backend, kernel)
         attach_calibration(made, drafter, calibration)
         num_draft = num_draft if num_draft is not None else (4 if made.max_draft is None else made.max_draft)
         decoder = cls(loaded, made, None, num_draft, build_backend(loaded.model, backend, kernel=kernel))
@@ -107,7 +110,8 @@ class SpecDecoder:
             from specdraft.decode.profile import load_or_measure
 
             profile, _, _ = load_or_measure(target_name, self.backend, self.proposer, drafter,
-                                            self.proposer.max_draft or self.num_draft, [1], contexts=[64, 1024])
+                                            self.proposer.max_draft or self.num_draft, [1], contexts=[64, 1024],
+                                            tree_rows=side_rows(self.proposer, greedy=True))  # greedy calls' trees
         return build_scheduler(name, profile=profile)
 
     def encode(self, prompt) -> list[int]:
