@@ -55,12 +55,13 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
     if cfg.branches != 1 and name not in ("drafter", "hybrid", "ngram"):
         raise ValueError(f"proposer.branches={cfg.branches} applies to trained drafters and prompt lookup (proposer="
                          f"drafter, hybrid or ngram); proposer={name} drafts one chain: set proposer.branches=1")
-    lookup = lambda: NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats)  # noqa: E731
+    # prompt lookup; a hybrid's lookup part drafts one chain (its branches are the drafter's)
+    lookup = lambda branches=1: NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats,  # noqa: E731
+                                              branches=branches, side_length=cfg.side_length)
     if name == "none":
         return NoProposer(), None
-    if name == "ngram":  # a hybrid's lookup part drafts one chain: its branches are the drafter's
-        return NgramProposer(cfg.max_ngram, cfg.min_ngram, share_stats=cfg.share_stats, branches=cfg.branches,
-                             side_length=cfg.side_length), None
+    if name == "ngram":
+        return lookup(cfg.branches), None
     if name == "model":
         return load_model_proposer(cfg.path or target.path, cfg.num_layers, target)
     if name in ("drafter", "hybrid"):
