@@ -308,6 +308,8 @@ def run_calibrate(bench) -> dict:
         raise ValueError("bench.mode=calibrate needs proposer=drafter with a dspark export (it has a confidence head)")
     if len(bench.encoded) < 2:
         raise ValueError("bench.mode=calibrate needs at least 2 prompts (half fit the temperatures, half evaluate them)")
+    if cfg.proposer.branches is None:
+        proposer.branches = 1  # the default tree is for decoding; calibration verifies the main chain alone
     if getattr(proposer, "branches", 1) != 1:
         raise ValueError(f"bench.mode=calibrate fits the main chain's confidences: set proposer.branches=1 "
                          f"(it is {proposer.branches}; a token tree's side branches would hide which positions survived)")

@@ -159,7 +159,10 @@ def target_report(bench: BenchSetup) -> dict:
     """What results.json records of how the target ran: its dtype (and why) and its backend."""
     return {"target_dtype": {"dtype": str(bench.target.dtype).replace("torch.", ""), "requested": bench.cfg.target.dtype,
                              "reason": bench.target.dtype_reason},
-            "target_backend": {"requested": bench.cfg.target.backend, **bench.backend.describe()}}
+            "target_backend": {"requested": bench.cfg.target.backend, **bench.backend.describe()},
+            # the token tree the proposer drafts at T=0 (proposer.branches as resolved: None takes the proposer's default)
+            "tree": {"requested": bench.cfg.proposer.branches, "branches": getattr(bench.proposer, "branches", 1),
+                     "greedy_only": True}}
 
 
 def memory_report(bench: BenchSetup) -> dict:

@@ -34,8 +34,10 @@ class ProposerConfig:
     dtype: str = "auto"
     # drafter/hybrid/ngram, greedy decoding: candidates drafted for the first position (the main chain's first token
     # and, as side branches, the drafter's runners-up or what else followed the last token in the context), all
-    # verified in one forward as a token tree (decode/tree.py); 1: one chain. Sampling drafts one chain.
-    branches: int = 1
+    # verified in one forward as a token tree (decode/tree.py); 1: one chain. Sampling drafts one chain. None: the
+    # proposer's default (decode/factory.py DEFAULT_BRANCHES: 4 for a block drafter, 3 for prompt lookup; where the
+    # side rows are not free on this machine, scheduler=cost drops the branches that do not pay for them).
+    branches: int | None = None
     # ngram with branches > 1: the most tokens each side branch (another earlier continuation of the last token,
     # decode/proposer.py ngram_siblings) holds; it is never longer than the main chain's verified draft.
     side_length: int = 1

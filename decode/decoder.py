@@ -79,7 +79,7 @@ class SpecDecoder:
                         proposer: str | None = None, scheduler: str = "fixed", num_draft: int | None = None,
                         dtype: str = "auto", backend: str = "auto", threads: int | None = None,
                         device: str = "auto", calibration: str = "auto", kernel: str = "auto",
-                        branches: int = 1, side_length: int = 1) -> "SpecDecoder":
+                        branches: int | None = None, side_length: int = 1) -> "SpecDecoder":
         """target: an alias, folder or HF id (None: the target a drafter export records, else the embedded
         default); drafter: an export folder (DIR/export of a distill run), refused for another target.
         proposer: drafter (the default with a drafter), ngram (prompt lookup, the default without),
@@ -87,7 +87,8 @@ class SpecDecoder:
         `drafter`), none (plain decoding). scheduler: fixed, threshold or cost (priced on this machine's
         cost profile, measured once and cached). num_draft: tokens drafted per step (default: the
         drafter's block size, else 4). kernel: the fast backend's linear kernels (target.kernel). branches:
-        greedy first-position candidates verified as a token tree (proposer.branches; 1: one chain);
+        greedy first-position candidates verified as a token tree (proposer.branches; 1: one chain; None: the
+        proposer's default, decode/factory.py DEFAULT_BRANCHES);
         side_length: prompt lookup's side branches' most tokens (proposer.side_length)."""
         proposer = proposer or ("drafter" if drafter else "ngram")
         if target is None:

@@ -21,15 +21,28 @@ def proposer_modules(name: str) -> list[str]:
     return ["speculators"] if name in ("drafter", "hybrid") else []
 
 
-def drafter_proposer(drafter, feature_layers, branches: int = 1):
+# proposer.branches when it is not set (None), per proposer: the first-position candidates of a greedy token tree.
+# A block drafter's runners-up hold the target's token about as often as its top-1 does (decode/tree.py), prompt
+# lookup's other continuations less often; both ride free where a verify of a few more rows costs what one row
+# costs, and scheduler=cost drops them per step where it does not. Eagle-3 and standalone models draft one chain.
+DEFAULT_BRANCHES = {"drafter": 4, "hybrid": 4, "ngram": 3}
+
+
+def default_branches(name: str, branches: int | None) -> int:
+    """proposer.branches as given, else the proposer's default."""
+    return DEFAULT_BRANCHES.get(name, 1) if branches is None else branches
+
+
+def drafter_proposer(drafter, feature_layers, branches: int | None = 1):
     """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass).
-    branches: proposer.branches, the greedy token tree's first-position candidates (block drafters)."""
+    branches: proposer.branches, the greedy token tree's first-position candidates (block drafters; None: the
+    default, one chain for an Eagle-3 head)."""
     if kind(drafter.mode).unrolled:
-        if branches != 1:
+        if branches not in (None, 1):
             raise ValueError(f"proposer.branches={branches} needs a block drafter (dspark, dflash); an Eagle-3 export "
                              "drafts one chain: set proposer.branches=1")
         return Eagle3Proposer(drafter, feature_layers)
-    return BlockDrafterProposer(drafter, feature_layers, branches=branches)
+    return BlockDrafterProposer(drafter, feature_layers, branches=default_branches("drafter", branches))
 
 
 DRAFTER_DTYPES = ("target", "auto", "float32", "bfloat16")
@@ -52,7 +65,7 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
     name=none is plain decoding (no drafting). backend/kernel: target.backend and target.kernel, which a
     trained drafter's fast twin follows."""
     name = cfg.name
-    if cfg.branches != 1 and name not in ("drafter", "hybrid", "ngram"):
+    if cfg.branches not in (None, 1) and name not in ("drafter", "hybrid", "ngram"):
         raise ValueError(f"proposer.branches={cfg.branches} applies to trained drafters and prompt lookup (proposer="
                          f"drafter, hybrid or ngram); proposer={name} drafts one chain: set proposer.branches=1")
     # prompt lookup; a hybrid's lookup part drafts one chain (its branches are the drafter's)
@@ -61,7 +74,7 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
     if name == "none":
         return NoProposer(), None
     if name == "ngram":
-        return lookup(cfg.branches), None
+        return lookup(default_branches(name, cfg.branches)), None
     if name == "model":
         return load_model_proposer(cfg.path or target.path, cfg.num_layers, target)
     if name in ("drafter", "hybrid"):

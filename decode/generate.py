@@ -18,7 +18,8 @@ import torch
 
 from specdraft.decode.proposer import Proposal, Proposer
 from specdraft.decode.sampling import Sampler, sample
-from specdraft.decode.scheduler import at, backoff_count, break_even, cut, make_backoff, with_tree, worth_drafting
+from specdraft.decode.scheduler import (at, backoff_count, break_even, cut, make_backoff, side_count, with_tree,
+                                        worth_drafting)
 from specdraft.decode.session import CausalSession
 from specdraft.decode.tree import greedy_tree_accept, kept_rows, side_record
 from specdraft.decode.verifier import greedy_accept, rejection_accept
@@ -99,7 +100,7 @@ def speculative_generate(
         limit = min(num_draft, room - 1)
         rule = at(scheduler, len(context))
         if sides is not None:
-            rule = with_tree(rule, sides.side_branches, sides.rate(), sides.side_length)
+            rule = with_tree(rule, sides.rates(), sides.side_length, sides.probing())
         if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit, proposer):
             proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
@@ -108,16 +109,21 @@ def speculative_generate(
                 backoff.observe(backoff_count(rule, proposal))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
         verified = len(proposal.tokens)  # main-chain positions: what a pricing rule priced the step by
+        drafted_sides = len(proposal.alternatives)
+        offered = side_count(rule, proposal)  # the side branches worth their verify rows (greedy: any set is exact)
+        proposal.alternatives = proposal.alternatives[:offered]
         if proposal.alternatives:  # greedy: a token tree of the main chain and its sibling branches
-            proposal, num_accepted, next_token, features, side = _tree_step(target, context[-1], proposal, sampler)
+            proposal, num_accepted, next_token, features, branch = _tree_step(target, context[-1], proposal, sampler)
             if sides is not None:
-                sides.observe(num_accepted if side else 0)
+                sides.observe(num_accepted if branch else 0, branch, offered, drafted_sides - offered)
         else:
+            if sides is not None and drafted_sides:
+                sides.observe(0, 0, 0, drafted_sides)
             logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
             num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
             target.rollback(kept_length + 1 + num_accepted)
         if backoff is not None and proposal.tokens:  # about the next steps only
-            backoff.settle(num_accepted + 1, break_even(rule, verified))
+            backoff.settle(num_accepted + 1, break_even(rule, verified, offered))
 
         done = len(result.output_ids)
         stop = record_step(result, context, proposal, num_accepted, next_token, eos_ids, room)
@@ -132,8 +138,8 @@ def speculative_generate(
 
 def _tree_step(target: CausalSession, pending: int, proposal: Proposal, sampler: Sampler):
     """One greedy verify step over a token tree (decode/tree.py): (the accepted branch as the step's proposal,
-    its accepted count, the target's next token, the features of the rows kept, whether that branch is a side
-    one). The cache keeps the pending token and the accepted path, in order, as a chain step would have left it."""
+    its accepted count, the target's next token, the features of the rows kept, that branch's index: 0 for the
+    main chain, r for the r-th side branch). The cache keeps the pending token and the accepted path, in order, as a chain step would have left it."""
     if not sampler.greedy:
         raise ValueError("a proposal with alternative branches is verified greedily only; draft one chain for "
                          "decode.temperature > 0 (proposer.branches=1)")
@@ -146,7 +152,7 @@ def _tree_step(target: CausalSession, pending: int, proposal: Proposal, sampler:
     if branch:  # the statistics describe the side branch taken: one drafted token, accepted, no confidences (the
         # main chain's describe positions that were rejected; calibration and the oracle skip such steps, as lookup's)
         proposal = Proposal(branches[branch], scheduled=True)
-    return proposal, num_accepted, next_token, None if features is None else features[rows], branch > 0
+    return proposal, num_accepted, next_token, None if features is None else features[rows], branch
 
 
 def draft(proposer, context: list[int], limit: int, sampler: Sampler, generator, rule) -> Proposal:

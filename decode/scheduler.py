@@ -64,9 +64,12 @@ def backoff_count(rule, proposal: Proposal) -> int:
     return len(proposal.tokens) if rule.pays(proposal.confidence.tolist()) else 0
 
 
-def break_even(rule, verified: int) -> float | None:
-    """The tokens a finished step had to produce to pay (rules that price steps), else None."""
-    return rule.break_even(verified) if verified and hasattr(rule, "break_even") else None
+def break_even(rule, verified: int, sides: int | None = None) -> float | None:
+    """The tokens a finished step had to produce to pay (rules that price steps), else None. `sides`: the
+    side branches it verified (None: the rule's most)."""
+    if not verified or not hasattr(rule, "break_even"):
+        return None
+    return rule.break_even(verified) if sides is None else rule.break_even(verified, sides)
 
 
 def at(rule, context_length: int):
@@ -108,24 +111,33 @@ class CostRule:
     profile has curves at several contexts (`at`; None: the profile's base context). ℓ = 0 (plain
     decoding this step) is chosen from c_1 alone, which needs only the backbone pass and the known anchor.
 
-    A step that drafts a token tree (`with_tree`: greedy, proposer.branches > 1) verifies `side_branches` side
-    branches of up to `side_length` tokens (at most ℓ) beside any ℓ >= 1: they widen the verify to
-    1 + ℓ + side_branches * min(ℓ, side_length) rows and add `side_hit`, the tokens they gave per step (the
-    request's record so far: decode/tree.py SideRecord), to the expected tokens. The events are disjoint (the
-    main chain's first token or a side one's), so the expectation adds."""
+    A step that drafts a token tree (`with_tree`: greedy, proposer.branches > 1) may verify up to
+    len(side_hits) side branches of up to `side_length` tokens (at most ℓ) beside any ℓ >= 1: s of them widen
+    the verify to 1 + ℓ + s * min(ℓ, side_length) rows and add side_hits[0] + .. + side_hits[s-1], the tokens
+    the proposer's first s branches gave per step (the request's record so far: decode/tree.py SideRecord), to
+    the expected tokens. The events are disjoint (the main chain's first token or one side branch's), so the
+    expectation adds. Each ℓ is priced with its best s (`side_count`): on a flat verify curve every branch
+    rides free, on a steep one a branch stays only where its hit rate buys its rows. `probing` prices the
+    step with every branch (the record learns the rates of branches it would otherwise stop verifying).
+    Greedy only, so which branches are verified never changes the output, only the speed."""
 
     needs_confidence = True
 
     def __init__(self, profile, rows: int = 1, max_skip: int = 16, context: int | None = None, drafting: bool = True,
-                 side_branches: int = 0, side_hit: float = 0.0, side_length: int = 1):
+                 side_hits: tuple[float, ...] = (), side_length: int = 1, probing: bool = False):
         self.profile, self.rows, self.max_skip, self.context = profile, rows, max_skip, context
         self.drafting = drafting  # False: price the step without the profile's drafting time
-        self.side_branches, self.side_hit, self.side_length = side_branches, side_hit, side_length
+        self.side_hits, self.side_length, self.probing = tuple(side_hits), side_length, probing
+
+    @property
+    def side_branches(self) -> int:
+        """The most side branches a step of this rule may verify."""
+        return len(self.side_hits)
 
     def _with(self, **changes) -> "CostRule":
         fields = dict(profile=self.profile, rows=self.rows, max_skip=self.max_skip, context=self.context,
-                      drafting=self.drafting, side_branches=self.side_branches, side_hit=self.side_hit,
-                      side_length=self.side_length)
+                      drafting=self.drafting, side_hits=self.side_hits, side_length=self.side_length,
+                      probing=self.probing)
         return CostRule(**{**fields, **changes})
 
     def at(self, context_length: int) -> "CostRule":
@@ -134,24 +146,39 @@ class CostRule:
     def without_drafting(self) -> "CostRule":
         """The same rule for a proposal whose drafting costs nothing next to the profile's drafter (a hybrid's
         prompt lookup): only the verify time prices it. Lookup drafts no tree, so no side branches either."""
-        return self._with(drafting=False, side_branches=0, side_hit=0.0)
+        return self._with(drafting=False, side_hits=())
 
-    def with_tree(self, side_branches: int, side_hit: float, side_length: int = 1) -> "CostRule":
-        """The rule for a step whose drafts carry `side_branches` side branches of up to `side_length` tokens
-        that give `side_hit` tokens per step (known before the step: a record of earlier steps)."""
-        return self._with(side_branches=side_branches, side_hit=side_hit, side_length=side_length)
+    def with_tree(self, side_hits, side_length: int = 1, probing: bool = False) -> "CostRule":
+        """The rule for a step whose drafts carry up to len(side_hits) side branches of up to `side_length`
+        tokens, the r-th giving side_hits[r] tokens per step (known before the step: a record of earlier steps)."""
+        return self._with(side_hits=tuple(side_hits), side_length=side_length, probing=probing)
 
-    def _width(self, length: int) -> int:
-        """Verify rows of a step that drafts `length` main-chain positions (the tree's side rows with it)."""
-        return 1 + length + self.side_branches * min(length, self.side_length)
+    def _width(self, length: int, sides: int | None = None) -> int:
+        """Verify rows of a step that drafts `length` main-chain positions and `sides` side branches (None: all)."""
+        sides = self.side_branches if sides is None else sides
+        return 1 + length + sides * min(length, self.side_length)
+
+    def _step_rate(self, tokens: float, length: int, sides: int) -> float:
+        drafting = self.profile.draft_s(length, self.context) if self.drafting else 0.0
+        return (tokens + sum(self.side_hits[:sides])) / (drafting + self._verify(self._width(length, sides)))
+
+    def side_count(self, confidences: list[float]) -> int:
+        """How many of the side branches a step verifying len(confidences) positions should carry: the count
+        with the best expected rate (every one while probing; none beside ℓ = 0)."""
+        if not confidences:
+            return 0
+        if self.probing:
+            return self.side_branches
+        tokens = expected_tokens(confidences)
+        rates = [self._step_rate(tokens, len(confidences), sides) for sides in range(self.side_branches + 1)]
+        return max(range(len(rates)), key=lambda sides: (rates[sides], -sides))  # a tie: fewer rows
 
     def rate(self, confidences: list[float]) -> float:
-        """Expected tokens per second of this step verifying len(confidences) positions. The backbone pass
-        that produced c_1 is already spent when the rule is asked, so ℓ = 0 counts it too (draft_s(0)):
-        the step's decision is the best one given its probe. Whether probing paid is `pays`' question."""
-        drafting = self.profile.draft_s(len(confidences), self.context) if self.drafting else 0.0
-        side = self.side_hit if confidences else 0.0
-        return (expected_tokens(confidences) + side) / (drafting + self._verify(self._width(len(confidences))))
+        """Expected tokens per second of this step verifying len(confidences) positions (with its best side
+        branches). The backbone pass that produced c_1 is already spent when the rule is asked, so ℓ = 0
+        counts it too (draft_s(0)): the step's decision is the best one given its probe. Whether probing paid
+        is `pays`' question."""
+        return self._step_rate(expected_tokens(confidences), len(confidences), self.side_count(confidences))
 
     def _verify(self, length: int) -> float:
         return self.profile.verify_s(self.rows, length, context=self.context)
@@ -165,11 +192,12 @@ class CostRule:
         justify probing again on the next step)."""
         return bool(confidences) and self.rate(confidences) > 1 / self._verify(1)
 
-    def break_even(self, verified: int) -> float:
-        """Tokens a step verifying `verified` drafted positions must produce to match plain decoding in the
-        time it takes (drafting included): the backoff's bar for a finished step (`Backoff.settle`)."""
+    def break_even(self, verified: int, sides: int | None = None) -> float:
+        """Tokens a step verifying `verified` drafted positions and `sides` side branches (None: all) must
+        produce to match plain decoding in the time it takes (drafting included): the backoff's bar for a
+        finished step (`Backoff.settle`)."""
         drafting = self.profile.draft_s(verified, self.context) if self.drafting else 0.0
-        return (drafting + self._verify(self._width(verified))) / self._verify(1)
+        return (drafting + self._verify(self._width(verified, sides))) / self._verify(1)
 
     def can_pay(self, limit: int) -> bool:
         """Whether some ℓ <= limit could beat plain decoding at this context if every position survived."""
@@ -178,9 +206,18 @@ class CostRule:
                        lambda rows, length: self.profile.verify_s(rows, length, context=self.context))
 
 
-def with_tree(rule, side_branches: int, side_hit: float, side_length: int = 1):
-    """The rule for a step that drafts a token tree of `side_branches` side branches (rules that price steps)."""
-    return rule.with_tree(side_branches, side_hit, side_length) if hasattr(rule, "with_tree") else rule
+def with_tree(rule, side_hits, side_length: int = 1, probing: bool = False):
+    """The rule for a step that drafts a token tree of up to len(side_hits) side branches (rules that price
+    steps; others are returned as they are)."""
+    return rule.with_tree(side_hits, side_length, probing) if hasattr(rule, "with_tree") else rule
+
+
+def side_count(rule, proposal: Proposal) -> int:
+    """How many of a drafted tree's side branches to verify: the pricing rule's choice for the positions it
+    kept, else all of them."""
+    if not proposal.alternatives or not hasattr(rule, "side_count") or proposal.confidence is None:
+        return len(proposal.alternatives)
+    return min(len(proposal.alternatives), rule.side_count(proposal.confidence.tolist()))
 
 
 def cut(proposal: Proposal, rule) -> int:

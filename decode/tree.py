@@ -78,25 +78,44 @@ def kept_rows(branches: list[list[int]], branch: int, accepted: int) -> list[int
 
 
 class SideRecord:
-    """One request's record of its tree steps: how many tokens its side branches gave per step (a one-token
-    branch: how often one held the target's token). A scheduler that prices steps (scheduler=cost) adds this
-    rate to a tree step's expected tokens; it reads finished steps only, so a step's verified set never
-    depends on the tokens being verified. The prior (`hits` in `steps`) stands for the steps not seen yet:
-    1 in 8, below the 15% the default export's runners-up hit on held-out ShareGPT, so a request starts
-    cautious and earns its own rate. `side_length`: the most tokens a side branch holds (prompt lookup's may
-    be chains; a drafter's are one token)."""
+    """One request's record of its tree steps: how many tokens each side branch rank gave per step it was
+    verified (rank r: the proposer's r-th side branch; a one-token branch: how often it held the target's
+    token). A scheduler that prices steps (scheduler=cost) adds these rates to a tree step's expected tokens
+    and keeps the branches that pay for their rows; it reads finished steps only, so a step's verified set
+    never depends on the tokens being verified. The prior (`hits` in `steps`, shared out among the ranks)
+    stands for the steps not seen yet: 1 in 8, below the 15% the default export's runners-up hit on held-out
+    ShareGPT, so a request starts cautious and earns its own rates. A rank the rule stopped verifying learns
+    nothing, so every `probe_every` steps without the whole tree, the next one carries it (`probing`).
+    `side_length`: the most tokens a side branch holds (prompt lookup's may be chains; a drafter's are one)."""
 
-    def __init__(self, side_branches: int, hits: float = 1.0, steps: float = 8.0, side_length: int = 1):
-        self.side_branches, self.hits, self.steps, self.side_length = side_branches, hits, steps, side_length
+    def __init__(self, side_branches: int, hits: float = 1.0, steps: float = 8.0, side_length: int = 1,
+                 probe_every: int = 16):
+        self.side_branches, self.side_length, self.probe_every = side_branches, side_length, probe_every
+        self.hits = [hits / side_branches] * side_branches
+        self.steps = [steps] * side_branches
+        self.since_whole = 0  # drafting steps in a row whose rule dropped some of the branches drafted
+
+    def rates(self) -> list[float]:
+        """Tokens per step from each side branch rank, best first as the proposer ranks them."""
+        return [hits / steps for hits, steps in zip(self.hits, self.steps)]
 
     def rate(self) -> float:
-        return self.hits / self.steps
+        """Tokens per step from the whole tree's side branches."""
+        return sum(self.rates())
 
-    def observe(self, side_tokens: int) -> None:
-        """After a tree step: the drafted tokens accepted from a side branch (0 where the main chain's first
-        token was the target's, or none was)."""
-        self.hits += float(side_tokens)
-        self.steps += 1.0
+    def probing(self) -> bool:
+        return self.since_whole >= self.probe_every
+
+    def observe(self, side_tokens: int, branch: int = 0, offered: int | None = None, dropped: int = 0) -> None:
+        """After a drafting step that verified the first `offered` side branches (None: all) and dropped
+        `dropped` more that were drafted: `side_tokens` drafted tokens accepted from side branch `branch`
+        (1-based; 0 where the main chain's first token was the target's, or no branch's was)."""
+        offered = self.side_branches if offered is None else offered
+        for rank in range(offered):
+            self.steps[rank] += 1.0
+        if branch and side_tokens:
+            self.hits[branch - 1] += float(side_tokens)
+        self.since_whole = self.since_whole + 1 if dropped else 0
 
 
 def side_record(proposer, greedy: bool) -> SideRecord | None:

@@ -46,7 +46,7 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
 
     def proposer(name: str):  # the bench's factory, with the export's calibration where it has one
         made, _ = make_proposer(ProposerConfig(name=name, max_ngram=args.max_ngram, path=args.drafter,
-                                               dtype=args.drafter_dtype), target, args.target)
+                                               dtype=args.drafter_dtype, branches=args.branches), target, args.target)
         attach_calibration(made, args.drafter)
         return made
 
@@ -62,7 +62,8 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
                  "hf_prompt_lookup": f"generate(prompt_lookup_num_tokens={args.num_draft}, max_matching_ngram_size={args.max_ngram})",
                  "hf_assisted": f"generate(assistant_model=the target's first {args.assistant_layers} layers, {args.num_draft} tokens)",
                  "ours_plain": "decode loop, no drafter, target.backend=auto",
-                 "ours_ngram": f"prompt lookup (max_ngram={args.max_ngram}), num_draft={args.num_draft}, scheduler={args.scheduler}",
+                 "ours_ngram": f"prompt lookup (max_ngram={args.max_ngram}, {lookup.branches} first-position candidates "
+                               f"at T=0), num_draft={args.num_draft}, scheduler={args.scheduler}",
                  "ours_assisted": f"the same assistant as hf_assisted in our loop, num_draft={args.num_draft}"}
     proposers["ours_assisted"] = (assistant, args.num_draft)
     profile = None
@@ -70,8 +71,8 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         trained = proposer("drafter")
         proposers["ours_drafter"] = (trained, trained.max_draft)
         proposers["ours_hybrid"] = (proposer("hybrid"), args.num_draft)
-        described["ours_drafter"] = (f"{args.drafter} (block {trained.max_draft}, {str(trained.drafter.embed_tokens.weight.dtype).replace('torch.', '')}), "
-                                     f"scheduler={args.scheduler}")
+        described["ours_drafter"] = (f"{args.drafter} (block {trained.max_draft}, {str(trained.drafter.embed_tokens.weight.dtype).replace('torch.', '')}, "
+                                     f"{trained.branches} first-position candidates at T=0), scheduler={args.scheduler}")
         described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
     if args.scheduler == "cost":
         from specdraft.decode.profile import load_or_measure
@@ -79,8 +80,12 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         # One profile for every method: the verify curve is the target's; the drafting curve the drafter's
         # (lookup is priced without it, decode/proposer.py), or the lookup's own where there is no drafter.
         pricing = proposers.get("ours_drafter", proposers["ours_ngram"])[0]
+        from specdraft.decode.tree import side_rows
+
+        # verify curves wide enough for the widest token tree a method drafts (greedy only)
+        tree_rows = max(side_rows(made, sampler.greedy) for made, _ in proposers.values())
         profile, _, _ = load_or_measure(args.target, backend, pricing, args.drafter, max(n for _, n in proposers.values()),
-                                        [1], 256, contexts=[64, 1024])
+                                        [1], 256, contexts=[64, 1024], tree_rows=tree_rows)
     sessions = {name: CausalSession(backend, proposer.feature_layers) for name, (proposer, _) in proposers.items()}
 
     def ours(name):
@@ -247,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-draft", type=int, default=4)
     parser.add_argument("--max-ngram", type=int, default=3)
+    parser.add_argument("--branches", type=int, default=None,
+                        help="proposer.branches for our lookup, drafter and hybrid (default: each proposer's; 1: chains)")
     parser.add_argument("--assistant-layers", type=int, default=4)
     parser.add_argument("--scheduler", choices=["fixed", "cost"], default="cost")
     parser.add_argument("--seed", type=int, default=0)

@@ -40,8 +40,10 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
     # The one-request curves again at the further contexts (scheduler.profile_contexts) the target's window
     # of 512 positions allows, for pricing each step at its own context.
     assert set(profile["by_context"]) == {"64", "300"} and profile["fingerprint"]["contexts"] == [64, 300]
+    # the default token tree (proposer.branches unset): 3 side rows beside a full block of 3 and the pending token
+    assert summary["tree"]["requested"] is None and summary["tree"]["branches"] == 4
     for curves in profile["by_context"].values():
-        assert len(curves["verify"]) == 4 and len(curves["draft"]) == 4 and min(curves["verify"] + curves["draft"]) > 0
+        assert len(curves["verify"]) == 4 + 3 and len(curves["draft"]) == 4 and min(curves["verify"] + curves["draft"]) > 0
     # The second run reads the cached profile instead of measuring again.
     again = run_bench(config(tiny_model_dir, prompts_file, out, f"proposer.path={tiny_export}", "scheduler=cost",
                              "bench.num_prompts=1", "bench.baselines=false", "scheduler.profile_contexts=[64,300,1024]"))

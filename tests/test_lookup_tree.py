@@ -69,12 +69,12 @@ def test_a_step_a_side_branch_took_counts_as_a_rejected_first_position():
 
 def test_pricing_counts_side_branches_as_long_as_the_main_chain_at_most():
     profile = synthetic_profile(length=12)
-    tree = with_tree(CostRule(profile), 2, 0.4, side_length=3)
+    tree = with_tree(CostRule(profile), (0.2, 0.2), side_length=3)
     assert tree._width(1) == 1 + 1 + 2 and tree._width(4) == 1 + 4 + 2 * 3 and tree._width(0) == 1
     assert tree.rate([0.5]) == pytest.approx((1 + 0.5 + 0.4) / (profile.draft_s(1) + profile.verify_s(1, 4)))
     record = side_record(NgramProposer(branches=3, side_length=2), greedy=True)
     assert (record.side_branches, record.side_length) == (2, 2)
-    record.observe(2)  # a side branch gave two tokens
+    record.observe(2, branch=1)  # the first side branch gave two tokens
     assert record.rate() == pytest.approx(3 / 9)
     assert side_rows(NgramProposer(branches=3, side_length=2), greedy=True) == 4
     assert side_rows(NgramProposer(branches=3, side_length=2), greedy=False) == 0

@@ -180,14 +180,14 @@ def test_cost_rule_prices_a_tree_by_its_width_and_its_side_hits():
     from tests.helpers import synthetic_profile
 
     profile = synthetic_profile(length=8)
-    chain, tree = CostRule(profile), with_tree(CostRule(profile), 2, 0.3)
+    chain, tree = CostRule(profile), with_tree(CostRule(profile), (0.15, 0.15))
     assert tree.rate([]) == chain.rate([])  # no drafted position: no tree either
     assert tree.rate([0.2]) == pytest.approx((1 + 0.2 + 0.3) / (profile.draft_s(1) + profile.verify_s(1, 4)))
     assert tree.break_even(1) == pytest.approx((profile.draft_s(1) + profile.verify_s(1, 4)) / profile.verify_s(1, 1))
     # a first position too weak to pay alone (chain: c > 0.2 pays here) pays with likely side hits (c > 0.167)
     assert not chain.verify([0.18]) and tree.verify([0.18])
-    assert tree.at(12).side_hit == 0.3 and tree.without_drafting().side_branches == 0
-    assert with_tree(object, 2, 0.3) is object  # rules that do not price steps are left as they are
+    assert tree.at(12).side_hits == (0.15, 0.15) and tree.without_drafting().side_branches == 0
+    assert with_tree(object, (0.15, 0.15)) is object  # rules that do not price steps are left as they are
 
 
 def test_side_record_starts_cautious_and_learns_the_requests_rate():
@@ -196,7 +196,7 @@ def test_side_record_starts_cautious_and_learns_the_requests_rate():
     record = SideRecord(3)
     assert record.rate() == pytest.approx(1 / 8)
     for hit in [True] * 6 + [False] * 2:
-        record.observe(hit)
+        record.observe(int(hit), branch=int(hit))
     assert record.rate() == pytest.approx(7 / 16)
     _, drafter = make_drafter("dspark")
     assert side_record(BlockDrafterProposer(drafter, (1, 2), branches=3), greedy=True).side_branches == 2
@@ -270,3 +270,70 @@ def test_the_hybrid_prices_its_drafter_part_s_tree():
     _, drafter = make_drafter("dspark")
     hybrid = HybridProposer(NgramProposer(3, 1), BlockDrafterProposer(drafter, (1, 2), branches=3))
     assert hybrid.branches == 3 and side_record(hybrid, greedy=True).side_branches == 2
+
+
+def test_cost_rule_keeps_the_side_branches_that_pay_for_their_rows():
+    from specdraft.decode.scheduler import CostRule, with_tree
+    from tests.helpers import synthetic_profile
+
+    flat = synthetic_profile(length=8, per_token=0.0)  # a verify of any width costs one plain step
+    steep = synthetic_profile(length=8, per_token=0.002)  # each row costs a sixth of a plain step
+    ranked = (0.2, 0.02, 0.01)  # the first runner-up is often the target's token, the others rarely
+    assert with_tree(CostRule(flat), ranked).side_count([0.5]) == 3  # free rows: every branch rides along
+    rule = with_tree(CostRule(steep), ranked)
+    assert rule.side_count([0.5]) == 1 and rule.side_count([]) == 0
+    assert rule.rate([0.5]) == pytest.approx((1.5 + 0.2) / (steep.draft_s(1) + steep.verify_s(1, 3)))
+    assert with_tree(CostRule(steep), (0.01,) * 3).side_count([0.5]) == 0  # none buys its row
+    assert with_tree(CostRule(steep), (0.01,) * 3, probing=True).side_count([0.5]) == 3
+    assert rule.break_even(1, 0) == pytest.approx((steep.draft_s(1) + steep.verify_s(1, 2)) / steep.verify_s(1, 1))
+
+
+def test_side_record_learns_each_rank_only_where_it_was_verified_and_probes_the_dropped_ones():
+    from specdraft.decode.tree import SideRecord
+
+    record = SideRecord(3, probe_every=4)
+    record.observe(1, branch=1, offered=1, dropped=2)  # only the first side branch verified; it held the token
+    assert record.steps == [9.0, 8.0, 8.0] and record.rates()[0] == pytest.approx((1 / 3 + 1) / 9)
+    for _ in range(3):
+        assert not record.probing()
+        record.observe(0, offered=0, dropped=3)
+    assert record.probing()  # four steps in a row dropped branches: the next carries the whole tree
+    record.observe(0, offered=3)
+    assert not record.probing() and record.steps == [10.0, 9.0, 9.0]
+
+
+def test_a_tree_pruned_by_the_cost_rule_still_decodes_as_hf_generate():
+    from specdraft.decode.scheduler import CostRule
+    from tests.helpers import synthetic_profile
+
+    target, drafter = make_drafter("dspark")
+    prompt = [5, 9, 2, 33, 7]
+    session = CausalSession(backends(target)["fast"], (1, 2))
+    trees = []
+    tree_forward = session.forward_tree
+    session.forward_tree = lambda pending, branches: trees.append(len(branches)) or tree_forward(pending, branches)
+    rule = CostRule(synthetic_profile(length=8, per_token=0.002), max_skip=0)  # side rows too dear for a 1/24 hit
+    got = speculative_generate(session, prompt, BlockDrafterProposer(drafter, (1, 2), branches=4),
+                               GenerateConfig(GREEDY, 48, 2, scheduler=rule))
+    assert got.output_ids == hf_greedy(target, prompt, 48)
+    drafting_steps = sum(1 for k in got.drafted if k)
+    assert drafting_steps > 17  # enough steps to need a probe
+    # the probes (every 17th drafting step) and any step whose record earned its rows; not every step
+    assert 1 <= len(trees) < drafting_steps / 2
+
+
+def test_an_unset_branch_count_takes_each_proposers_default():
+    from specdraft.decode.factory import DEFAULT_BRANCHES, default_branches, drafter_proposer
+    from specdraft.decode.proposer import Eagle3Proposer
+
+    assert make_proposer(ProposerConfig(name="ngram"), None, "tiny")[0].branches == DEFAULT_BRANCHES["ngram"] > 1
+    assert make_proposer(ProposerConfig(name="ngram", branches=1), None, "tiny")[0].branches == 1
+    _, block = make_drafter("dspark")
+    assert drafter_proposer(block, (1, 2), None).branches == DEFAULT_BRANCHES["drafter"] > 1
+    from tests.helpers import make_eagle
+
+    _, eagle = make_eagle()
+    assert isinstance(drafter_proposer(eagle, (1, 2), None), Eagle3Proposer)  # one chain, no error
+    with pytest.raises(ValueError, match="needs a block drafter"):
+        drafter_proposer(eagle, (1, 2), 2)
+    assert default_branches("model", None) == 1 and default_branches("drafter", 2) == 2
