@@ -161,8 +161,7 @@ def target_report(bench: BenchSetup) -> dict:
                              "reason": bench.target.dtype_reason},
             "target_backend": {"requested": bench.cfg.target.backend, **bench.backend.describe()},
             # the token tree the proposer drafts at T=0 (proposer.branches as resolved: None takes the proposer's default)
-            "tree": {"requested": bench.cfg.proposer.branches, "branches": getattr(bench.proposer, "branches", 1),
-                     "greedy_only": True}}
+            "tree": {"requested": bench.cfg.proposer.branches, "branches": getattr(bench.proposer, "branches", 1)}}
 
 
 def memory_report(bench: BenchSetup) -> dict:

@@ -33,7 +33,7 @@ def default_branches(name: str, branches: int | None) -> int:
     return DEFAULT_BRANCHES.get(name, 1) if branches is None else branches
 
 
-def drafter_proposer(drafter, feature_layers, branches: int | None = 1):
+def drafter_proposer(drafter, feature_layers, branches: int | None = None):
     """The proposer that runs a trained drafter (an Eagle-3 head drafts token by token, block drafters in one pass).
     branches: proposer.branches, the greedy token tree's first-position candidates (block drafters; None: the
     default, one chain for an Eagle-3 head)."""

@@ -112,16 +112,15 @@ def speculative_generate(
         drafted_sides = len(proposal.alternatives)
         offered = side_count(rule, proposal)  # the side branches worth their verify rows (greedy: any set is exact)
         proposal.alternatives = proposal.alternatives[:offered]
+        branch = 0  # the accepted branch: 0 the main chain, r the r-th side branch
         if proposal.alternatives:  # greedy: a token tree of the main chain and its sibling branches
             proposal, num_accepted, next_token, features, branch = _tree_step(target, context[-1], proposal, sampler)
-            if sides is not None:
-                sides.observe(num_accepted if branch else 0, branch, offered, drafted_sides - offered)
         else:
-            if sides is not None and drafted_sides:
-                sides.observe(0, 0, 0, drafted_sides)
             logits, features = target.forward([context[-1]] + proposal.tokens)  # (k+1, V)
             num_accepted, next_token = accept_fn(proposal, logits, sampler, generator)
             target.rollback(kept_length + 1 + num_accepted)
+        if sides is not None and drafted_sides:
+            sides.observe(num_accepted if branch else 0, branch, offered, drafted_sides - offered)
         if backoff is not None and proposal.tokens:  # about the next steps only
             backoff.settle(num_accepted + 1, break_even(rule, verified, offered))
 
@@ -139,7 +138,8 @@ def speculative_generate(
 def _tree_step(target: CausalSession, pending: int, proposal: Proposal, sampler: Sampler):
     """One greedy verify step over a token tree (decode/tree.py): (the accepted branch as the step's proposal,
     its accepted count, the target's next token, the features of the rows kept, that branch's index: 0 for the
-    main chain, r for the r-th side branch). The cache keeps the pending token and the accepted path, in order, as a chain step would have left it."""
+    main chain, r for the r-th side branch). The cache keeps the pending token and the accepted path, in order,
+    as a chain step would have left it."""
     if not sampler.greedy:
         raise ValueError("a proposal with alternative branches is verified greedily only; draft one chain for "
                          "decode.temperature > 0 (proposer.branches=1)")

@@ -67,9 +67,7 @@ def backoff_count(rule, proposal: Proposal) -> int:
 def break_even(rule, verified: int, sides: int | None = None) -> float | None:
     """The tokens a finished step had to produce to pay (rules that price steps), else None. `sides`: the
     side branches it verified (None: the rule's most)."""
-    if not verified or not hasattr(rule, "break_even"):
-        return None
-    return rule.break_even(verified) if sides is None else rule.break_even(verified, sides)
+    return rule.break_even(verified, sides) if verified and hasattr(rule, "break_even") else None
 
 
 def at(rule, context_length: int):

@@ -76,12 +76,11 @@ def python_methods(args, target, backend, stop: list[int], pad: int) -> tuple[di
         described["ours_hybrid"] = f"prompt lookup where it matches, else {args.drafter}, scheduler={args.scheduler}"
     if args.scheduler == "cost":
         from specdraft.decode.profile import load_or_measure
+        from specdraft.decode.tree import side_rows
 
         # One profile for every method: the verify curve is the target's; the drafting curve the drafter's
         # (lookup is priced without it, decode/proposer.py), or the lookup's own where there is no drafter.
         pricing = proposers.get("ours_drafter", proposers["ours_ngram"])[0]
-        from specdraft.decode.tree import side_rows
-
         # verify curves wide enough for the widest token tree a method drafts (greedy only)
         tree_rows = max(side_rows(made, sampler.greedy) for made, _ in proposers.values())
         profile, _, _ = load_or_measure(args.target, backend, pricing, args.drafter, max(n for _, n in proposers.values()),

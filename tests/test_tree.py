@@ -17,7 +17,7 @@ from specdraft.decode.proposer import BlockDrafterProposer, ModelProposer, Propo
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.session import CausalSession
 from specdraft.decode.tree import greedy_tree_accept, kept_rows, tree_mask, tree_rows
-from tests.helpers import hf_greedy, make_drafter
+from tests.helpers import hf_greedy, make_drafter, make_eagle
 
 GREEDY = Sampler()
 
@@ -330,8 +330,6 @@ def test_an_unset_branch_count_takes_each_proposers_default():
     assert make_proposer(ProposerConfig(name="ngram", branches=1), None, "tiny")[0].branches == 1
     _, block = make_drafter("dspark")
     assert drafter_proposer(block, (1, 2), None).branches == DEFAULT_BRANCHES["drafter"] > 1
-    from tests.helpers import make_eagle
-
     _, eagle = make_eagle()
     assert isinstance(drafter_proposer(eagle, (1, 2), None), Eagle3Proposer)  # one chain, no error
     with pytest.raises(ValueError, match="needs a block drafter"):
