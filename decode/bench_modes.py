@@ -24,7 +24,7 @@ from tqdm import tqdm
 from specdraft.decode.batch_generate import LoadPolicy, Request, batched_generate
 from specdraft.decode.bench_setup import atomic_write, repeat_report, run_interleaved, target_report
 from specdraft.decode.decoder import SpecDecoder
-from specdraft.decode.metrics import acceptance_stats, timing_stats
+from specdraft.decode.metrics import acceptance_stats, paired_speed_interval, timing_stats
 from specdraft.decode.oracle import oracle_ceiling
 from specdraft.decode.proposer import NoProposer, gives_confidence
 from specdraft.decode.sampling import Sampler
@@ -90,6 +90,11 @@ def run_sweep(bench) -> dict:
         best_decode = max(fixed, key=lambda k: fixed[k]["decode_tokens_per_s"] or 0)
         if rows["cost"]["decode_tokens_per_s"] and fixed[best_decode]["decode_tokens_per_s"]:
             summary["cost_vs_best_fixed_decode"] = rows["cost"]["decode_tokens_per_s"] / fixed[best_decode]["decode_tokens_per_s"]
+        # How far the prompts let those two ratios move (95%, prompts resampled in pairs): a tie reads as one.
+        summary["cost_vs_best_fixed_interval"] = {
+            "level": 0.95,
+            "e2e": paired_speed_interval(results["cost"], results[best_fixed]),
+            "decode": paired_speed_interval(results["cost"], results[best_decode], decode=True)}
         # What any schedule could gain over the best fixed length with this drafter (decode/oracle.py).
         summary["ceiling"] = oracle_ceiling(results, [len(ids) for ids in bench.encoded], profile)
     summary["config"] = _config(bench)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from specdraft.decode.generate import Generation
 
 
@@ -39,3 +41,33 @@ def timing_stats(generations: list[Generation]) -> dict:
         "ttft_s": sum(g.ttft_s for g in generations) / len(generations) if generations else None,
         "tpot_s": sum(tpots) / len(tpots) if tpots else None,
     }
+
+
+def paired_speed_interval(faster: list[Generation], slower: list[Generation], decode: bool = False,
+                          level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of speed(faster) ÷ speed(slower) over prompts resampled in pairs (each
+    prompt's two runs stay together: the interleaved runs of one prompt share the machine's state, so the pair is
+    the unit of noise). Speed is `timing_stats`' tokens/s, or with `decode` its 1 / mean TPOT (after the first
+    token). A sweep's ratio of two settings moves by a percent or two between runs of the same code on a shared
+    host; this says how far the prompts alone let it move. None with fewer than two prompts."""
+    if len(faster) != len(slower):
+        raise ValueError(f"paired runs differ in length: {len(faster)} and {len(slower)} prompts")
+    pairs = list(zip(faster, slower))
+    if len(pairs) < 2 or not 0 < level < 1:
+        return None
+
+    def speed(generations: list[Generation]) -> float | None:
+        stats = timing_stats(generations)
+        return (1 / stats["tpot_s"] if stats["tpot_s"] else None) if decode else stats["tokens_per_s"]
+
+    rng, ratios = random.Random(seed), []
+    for _ in range(resamples):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        a, b = speed([p[0] for p in sample]), speed([p[1] for p in sample])
+        if a and b:
+            ratios.append(a / b)
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * (len(ratios) - 1))], ratios[int((1 - tail) * (len(ratios) - 1))]

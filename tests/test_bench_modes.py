@@ -58,6 +58,9 @@ def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path
     assert set(summary["settings"]) == {"fixed_1", "fixed_2", "fixed_3", "threshold_0.5", "cost"}
     assert all(row["equal_to_plain"] is True for row in summary["settings"].values())  # fp32 T=0: exact
     assert summary["best_fixed"] in summary["settings"] and summary["cost_vs_best_fixed"] > 0
+    interval = summary["cost_vs_best_fixed_interval"]  # two prompts resampled in pairs: an interval around the ratio
+    low, high = interval["e2e"]
+    assert interval["level"] == 0.95 and 0 < low <= high and len(interval["decode"]) == 2
     ceiling = summary["ceiling"]  # the oracle schedule on each fixed length's steps, priced by the profile
     assert set(ceiling["oracle_decode_tokens_per_s"]) == {"fixed_1", "fixed_2", "fixed_3"}
     assert ceiling["best_fixed"] in ceiling["oracle_decode_tokens_per_s"] and ceiling["oracle_vs_best_fixed"] > 0
