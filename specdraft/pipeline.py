@@ -34,7 +34,8 @@ from specdraft.models.export import save_drafter, training_record
 from specdraft.models.registry import kind
 from specdraft.train.config import DrafterConfig, FeatureCacheConfig, TrackingConfig, TrainDataConfig, TrainerConfig
 from specdraft.train.distill import build_drafter, feature_cache, fit_feature_scale, prepare_examples
-from specdraft.train.distributed import broadcast_object, full_parameters, make_accelerator, shutdown
+from specdraft.train.distributed import (broadcast_object, end_launched_process, full_parameters, make_accelerator,
+                                          shutdown)
 from specdraft.train.signals import target_signals
 from specdraft.train.trainer import TrainJob, start_tracking, train
 
@@ -281,6 +282,6 @@ def main(config) -> None:
     except FloatingPointError as err:
         raise SystemExit(f"training stopped: {err}. The last good checkpoint is in {Path(cfg.run_dir) / 'checkpoints'}; "
                          "lower trainer.lr or enable clipping, then rerun (trainer.resume=auto)") from None
-    if results is None:  # not rank 0
-        return
-    print("\n" + "\n".join(summary_lines(results, Path(cfg.run_dir))))
+    if results is not None:  # rank 0
+        print("\n" + "\n".join(summary_lines(results, Path(cfg.run_dir))))
+    end_launched_process()

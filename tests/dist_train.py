@@ -24,7 +24,7 @@ from safetensors.torch import save_file  # noqa: E402
 from tests.helpers import tiny_llama  # noqa: E402
 from tests.helpers import die_in_training, examples, fresh_drafter, kill_tree  # noqa: E402
 from specdraft.train.config import TrackingConfig, TrainerConfig  # noqa: E402
-from specdraft.train.distributed import full_parameters, make_accelerator, shutdown  # noqa: E402
+from specdraft.train.distributed import end_launched_process, full_parameters, make_accelerator, shutdown  # noqa: E402
 
 
 def record_writes(run_dir: Path, log: list) -> None:
@@ -76,6 +76,7 @@ def main() -> None:
     report["distributed_type"] = str(accelerator.distributed_type)
     (report_dir / f"rank{rank}.json").write_text(json.dumps(report))
     shutdown(accelerator)
+    end_launched_process()
 
 
 if __name__ == "__main__":

@@ -172,3 +172,14 @@ def test_every_accelerate_recipe_loads(recipe):
         assert str(config.distributed_type).endswith("DEEPSPEED") and ds["zero_stage"] == (3 if "zero3" in recipe else 2)
         assert (ds["offload_optimizer_device"] == "cpu") == recipe.endswith("offload")
         assert "gradient_accumulation_steps" not in ds and "gradient_clipping" not in ds  # the trainer config decides
+
+
+def test_a_launched_process_ends_at_once_with_status_0_and_its_output_flushed():
+    """end_launched_process skips interpreter teardown (where gloo's threads can abort a finished run) only
+    under a multi-process launch; stdout is a pipe here, so unflushed output would be lost."""
+    script = ("from specdraft.train.distributed import end_launched_process\n"
+              "print('written')\nend_launched_process()\nraise SystemExit(3)\n")
+    for world, status in (("2", 0), ("1", 3)):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "WORLD_SIZE": world})
+        assert (proc.returncode, proc.stdout) == (status, "written\n"), (world, proc.stderr)

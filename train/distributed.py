@@ -13,7 +13,9 @@ each rank would think it is alone, see ../shared/ENVIRONMENT.md).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -176,3 +178,19 @@ def shutdown(accelerator) -> None:
     if accelerator.num_processes > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def end_launched_process() -> None:
+    """End this process now, with status 0, when a launcher started it as one of several (WORLD_SIZE > 1).
+
+    Call it last, after `shutdown` and once everything the run writes is written. destroy_process_group leaves
+    the gloo groups alive: DeepSpeed's engine, its ZeRO optimizer, its groups module and every ZeRO-3 parameter
+    keep references, so the groups' worker threads are torn down with the interpreter, and that teardown now and
+    then aborts a finished run (SIGABRT, "terminate called without an active exception"), failing the launch.
+    Our files are written atomically and the tracker is finished by then, so nothing is lost by skipping it."""
+    if world_size() <= 1:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()  # Hydra's log file
+    os._exit(0)
