@@ -84,6 +84,7 @@ class _Active:
     done: bool = False
     cancelled: bool = False
     backoff: object = None
+    drafted: bool = False  # this step ran its drafter (its own backoff settles it, whatever was verified)
 
 
 class BatchEngine:
@@ -175,7 +176,10 @@ class BatchEngine:
             admitted = _admit(active, load)
             if self.engine_backoff is not None and any(limits):
                 self.engine_backoff.observe(admitted)
+        for item in active:
+            item.drafted = False
         for item, limit in zip(drafting, limits):
+            item.drafted = limit > 0
             if item.backoff is not None and limit > 0:
                 item.backoff.observe(backoff_count(at(rule, len(item.context)), item.proposal))
 
@@ -187,7 +191,7 @@ class BatchEngine:
             accept_fn = _greedy_step if item.sampler.greedy else _sampling_step
             accepted, next_token = accept_fn(item.proposal, logits[r, : k + 1], item.sampler, item.request.generator)
             counts.append(1 + accepted)
-            if item.backoff is not None and k:  # as the batch-1 loop: the step's record, about later steps
+            if item.backoff is not None and item.drafted:  # as the batch-1 loop: the step's record, about later steps
                 item.backoff.settle(1 + accepted, break_even(at(rule, len(item.context)), k))
             room = item.request.max_new_tokens - len(item.result.output_ids)
             before = len(item.result.output_ids)

@@ -101,10 +101,11 @@ def speculative_generate(
         rule = at(scheduler, len(context))
         if sides is not None:
             rule = with_tree(rule, sides.rates(), sides.side_length, sides.probing())
+        drafted = False
         if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit, proposer):
             proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
-            proposal = draft(proposer, context, limit, sampler, generator, rule)
+            proposal, drafted = draft(proposer, context, limit, sampler, generator, rule), True
             if backoff is not None:
                 backoff.observe(backoff_count(rule, proposal))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]
@@ -121,7 +122,7 @@ def speculative_generate(
             target.rollback(kept_length + 1 + num_accepted)
         if sides is not None and drafted_sides:
             sides.observe(num_accepted if branch else 0, branch, offered, drafted_sides - offered)
-        if backoff is not None and proposal.tokens:  # about the next steps only
+        if backoff is not None and drafted:  # about the next steps only
             backoff.settle(num_accepted + 1, break_even(rule, verified, offered))
 
         done = len(result.output_ids)

@@ -613,7 +613,7 @@ class HybridProposer:
     drafting time: its drafting is a scan of the context. Where lookup has a match but the rule declines it
     (its confidence is too low to pay), the drafter drafts instead. The loop never backs off from a hybrid
     (`cheap`): it backs off its drafter part itself (the rule's max_skip), and keeps looking up meanwhile.
-    The drafter part's backoff also keeps its realized record (`Backoff.settle`): where its verified steps
+    The drafter part's backoff also keeps its realized record (`Backoff.settle`): where the steps it drafted
     make fewer tokens than plain decoding would in their time, it stops drafting (probing now and then) and
     the hybrid is prompt lookup with plain steps between, never slower than lookup alone for long.
     Under scheduler=load (batched engine) the rule is batch-wide, so neither backs off, and the hybrid drafts
@@ -627,7 +627,7 @@ class HybridProposer:
         self.max_draft = None  # lookup has no block limit; the drafter is cut to its own
         self.last = None  # which part drafted the last proposal: "lookup" | "trained" | None
         self.backoff: Backoff | None = None  # the drafter part's, made from the first rule with a max_skip
-        self.pending = None  # the drafter's last verified step, settled at commit: (rule, context length, positions)
+        self.pending = None  # the drafter's last step, settled at commit: (rule, context length, positions verified)
 
     @property
     def calibration(self):
@@ -668,7 +668,7 @@ class HybridProposer:
         if self.backoff is not None:  # as decode.scheduler.backoff_count: 0 where the verified positions did not pay
             paid = not hasattr(rule, "pays") or proposal.confidence is None or rule.pays(proposal.confidence.tolist())
             self.backoff.observe(len(proposal.tokens) if proposal.tokens and paid else 0)
-            if proposal.tokens and proposal.scheduled and hasattr(rule, "break_even"):  # its verified positions
+            if proposal.scheduled and hasattr(rule, "break_even"):  # its verified positions (0: the drafting was spent)
                 self.pending = (rule, len(context_ids), len(proposal.tokens))
         return proposal
 

@@ -65,9 +65,10 @@ def backoff_count(rule, proposal: Proposal) -> int:
 
 
 def break_even(rule, verified: int, sides: int | None = None) -> float | None:
-    """The tokens a finished step had to produce to pay (rules that price steps), else None. `sides`: the
-    side branches it verified (None: the rule's most)."""
-    return rule.break_even(verified, sides) if verified and hasattr(rule, "break_even") else None
+    """The tokens a finished step that drafted had to produce to pay (rules that price steps), else None.
+    `verified`: its drafted positions verified, 0 where the rule cut them all (the drafting was spent);
+    `sides`: the side branches it verified (None: the rule's most)."""
+    return rule.break_even(verified, sides) if hasattr(rule, "break_even") else None
 
 
 def at(rule, context_length: int):

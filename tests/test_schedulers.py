@@ -326,6 +326,41 @@ def test_backoff_keeps_the_realized_record():
     assert not backoff.should_skip()
 
 
+
+def test_once_steps_settle_only_their_record_skips_the_drafter():
+    """Half the steps promise nothing (observe(0): their confidences priced them below plain decoding) while
+    every drafted step pays 0.2 tokens beyond break-even: the record keeps drafting every step. Before any
+    step settles, a promise of nothing is all there is and still starts a skip; a step cut to no position
+    settles as the loss of its drafting (1 token where plain decoding makes 1.08) and the record drops it."""
+    from specdraft.decode.backoff import Backoff
+
+    backoff, skipped = Backoff(max_skip=16), 0
+    for step in range(400):
+        if backoff.should_skip():
+            skipped += 1
+            continue
+        backoff.observe(0 if step % 2 else 2)
+        backoff.settle(1.2 + 1.0, 1.0 + 1.0)
+    assert skipped == 0
+    fresh = Backoff(max_skip=16)
+    fresh.observe(0)
+    assert fresh.should_skip()
+    cut_to_nothing = Backoff(max_skip=16)
+    for _ in range(200):
+        if not cut_to_nothing.should_skip():
+            cut_to_nothing.observe(0)
+            cut_to_nothing.settle(1, 1.08)
+    assert cut_to_nothing.net < -0.02 and cut_to_nothing.skip > 0
+
+
+def test_a_step_cut_to_no_position_is_priced_as_its_spent_drafting():
+    from specdraft.decode.scheduler import break_even
+
+    profile = synthetic_profile(length=3, per_token=0.002)
+    rule = CostRule(profile, max_skip=4)
+    assert break_even(rule, 0) == pytest.approx((profile.draft_s(0, None) + profile.verify_s(1, 1)) / profile.verify_s(1, 1))
+    assert break_even(rule, 0) > 1 and break_even(FixedRule(), 0) is None
+
 class PromisingDrafter(ConfidentDrafter):
     """Says every position survives (confidence 1) and drafts a token the target rarely samples, one-hot."""
 
