@@ -16,9 +16,9 @@ class Backoff:
     settled step: a running mean of what the drafter's steps produced beyond the break-even (the tokens plain
     decoding makes in the same time), starting from 0 (no evidence either way). While it is below
     -`tolerance` the drafter is not paying whatever its confidences promised (an optimistic head), and every
-    such step counts as a failure. It decides from finished steps only, before anything of the current step is drafted, so
-    the verified set never depends on the tokens being verified (a proposal may depend on the past in any
-    way; the acceptance rule stays exact).
+    such step counts as a failure. It decides from finished steps only, before anything of the current step
+    is drafted, so the verified set never depends on the tokens being verified (a proposal may depend on the
+    past in any way; the acceptance rule stays exact).
 
     Why a long memory: a step's gain is far noisier than its mean. The default export's token-tree steps on
     held-out ShareGPT made +0.9 tokens beyond break-even at a third of the steps and -0.1 at the rest (mean

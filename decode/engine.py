@@ -176,8 +176,6 @@ class BatchEngine:
             admitted = _admit(active, load)
             if self.engine_backoff is not None and any(limits):
                 self.engine_backoff.observe(admitted)
-        for item in active:
-            item.drafted = False
         for item, limit in zip(drafting, limits):
             item.drafted = limit > 0
             if item.backoff is not None and limit > 0:
@@ -240,6 +238,7 @@ class BatchEngine:
         active, load, rule = self.active, self.load, self.rule
         for item in active:
             item.proposal = Proposal([])  # plain decoding for this request this step, unless it drafts
+            item.drafted = False
         room = [min(self.num_draft, item.request.max_new_tokens - len(item.result.output_ids) - 1)
                 if item.request.speculate else 0 for item in active]
         if load is not None:

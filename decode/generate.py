@@ -105,7 +105,8 @@ def speculative_generate(
         if (backoff is not None and backoff.should_skip()) or not worth_drafting(rule, limit, proposer):
             proposal = Proposal([])  # plain decoding this step (or no room to draft); the drafter is not run
         else:
-            proposal, drafted = draft(proposer, context, limit, sampler, generator, rule), True
+            proposal = draft(proposer, context, limit, sampler, generator, rule)
+            drafted = True
             if backoff is not None:
                 backoff.observe(backoff_count(rule, proposal))
         kept_length = target.length  # cache covers context[:-1]; the pending token is context[-1]

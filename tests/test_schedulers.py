@@ -326,7 +326,6 @@ def test_backoff_keeps_the_realized_record():
     assert not backoff.should_skip()
 
 
-
 def test_once_steps_settle_only_their_record_skips_the_drafter():
     """Half the steps promise nothing (observe(0): their confidences priced them below plain decoding) while
     every drafted step pays 0.2 tokens beyond break-even: the record keeps drafting every step. Before any
@@ -360,6 +359,29 @@ def test_a_step_cut_to_no_position_is_priced_as_its_spent_drafting():
     rule = CostRule(profile, max_skip=4)
     assert break_even(rule, 0) == pytest.approx((profile.draft_s(0, None) + profile.verify_s(1, 1)) / profile.verify_s(1, 1))
     assert break_even(rule, 0) > 1 and break_even(FixedRule(), 0) is None
+
+
+
+def test_the_loop_settles_a_drafted_step_cut_to_no_position_as_a_loss(monkeypatch):
+    """A drafter run whose every position the rule declined still cost its drafting: the generate loop settles
+    it (1 token against a break-even above 1), so a record of such steps turns the backoff off the drafter."""
+    import specdraft.decode.generate as generate_module
+    from specdraft.decode.backoff import Backoff
+
+    class DeclinedDrafter(ConfidentDrafter):
+        def propose(self, context_ids, num_draft, sampler, generator, rule=None):
+            return Proposal([], confidence=torch.zeros(0), scheduled=True)  # the rule cut it to nothing
+
+    settled = []
+
+    class RecordingBackoff(Backoff):
+        def settle(self, tokens, break_even):
+            settled.append((tokens, break_even))
+            super().settle(tokens, break_even)
+
+    monkeypatch.setattr(generate_module, "make_backoff", lambda rule, proposer=None: RecordingBackoff(rule.max_skip))
+    loop_samples(DeclinedDrafter(markov_tables()[1]), CostRule(synthetic_profile(length=3), max_skip=4), n=20)
+    assert settled and all(tokens == 1 and even > 1 for tokens, even in settled)
 
 class PromisingDrafter(ConfidentDrafter):
     """Says every position survives (confidence 1) and drafts a token the target rarely samples, one-hot."""
