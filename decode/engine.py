@@ -190,7 +190,7 @@ class BatchEngine:
             accepted, next_token = accept_fn(item.proposal, logits[r, : k + 1], item.sampler, item.request.generator)
             counts.append(1 + accepted)
             if item.backoff is not None and item.drafted:  # as the batch-1 loop: the step's record, about later steps
-                item.backoff.settle(1 + accepted, break_even(at(rule, len(item.context)), k))
+                item.backoff.settle(1 + accepted, break_even(at(rule, len(item.context)), k), k)
             room = item.request.max_new_tokens - len(item.result.output_ids)
             before = len(item.result.output_ids)
             at_eos = record_step(item.result, item.context, item.proposal, accepted, next_token, self.eos, room)

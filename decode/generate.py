@@ -124,7 +124,7 @@ def speculative_generate(
         if sides is not None and drafted_sides:
             sides.observe(num_accepted if branch else 0, branch, offered, drafted_sides - offered)
         if backoff is not None and drafted:  # about the next steps only
-            backoff.settle(num_accepted + 1, break_even(rule, verified, offered))
+            backoff.settle(num_accepted + 1, break_even(rule, verified, offered), verified)
 
         done = len(result.output_ids)
         stop = record_step(result, context, proposal, num_accepted, next_token, eos_ids, room)

@@ -681,7 +681,7 @@ class HybridProposer:
         if self.pending is not None:
             rule, before, verified = self.pending
             # the context grew by what the step kept: accepted drafts + the target's token
-            self.backoff.settle(len(context_ids) - before, rule.break_even(verified))
+            self.backoff.settle(len(context_ids) - before, rule.break_even(verified), verified)
             self.pending = None
         self.lookup.commit(context_ids, features)
         self.trained.commit(context_ids, features)

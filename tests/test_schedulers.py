@@ -276,53 +276,64 @@ def test_cost_rule_runs_no_drafter_where_no_draft_can_pay():
     assert goodness_of_fit(samples, expected_loop_joint(Sampler(temperature=1.0))) > 1e-4
 
 
-def skipped_share(backoff, gains) -> float:
-    """The share of steps a backoff skips over a drafter whose drafting steps gain `gains` beyond break-even in turn."""
+def skipped_share(make_backoff, gains, break_even: float = 1.0, verified: int = 1, requests: int = 20, steps: int = 100) -> float:
+    """The share of steps that backoffs skip over `requests` requests of `steps` steps each (a fresh backoff per
+    request, as the loops make them), whose drafting steps gain `gains` beyond break-even in turn."""
     skipped, gains = 0, iter(gains)
-    for _ in range(400):
-        if backoff.should_skip():
-            skipped += 1
-            continue
-        backoff.observe(1)
-        backoff.settle(1 + next(gains), 1.0)
-    return skipped / 400
+    for _ in range(requests):
+        backoff = make_backoff()
+        for _ in range(steps):
+            if backoff.should_skip():
+                skipped += 1
+                continue
+            backoff.observe(verified)
+            backoff.settle(break_even + next(gains), break_even, verified)
+    return skipped / (requests * steps)
 
 
 def test_backoff_keeps_drafting_a_drafter_that_pays_on_average_and_drops_one_that_never_does():
-    """A third of the steps gain 0.9 tokens, the rest lose 0.1 (mean +0.23, the default export's token-tree steps):
-    the long memory keeps drafting; a memory of about 5 steps (decay 0.8, the negative control) skips many of
-    them after runs of misses. A drafter that loses 0.1 every step is still skipped most of the time."""
+    """At T=1 the default export's steps verify two positions with a break-even of 1.116 tokens and keep the first
+    drafted token a fifth of the time: four steps in five lose 0.116 tokens, the rest win 0.884 or 1.884 (mean
+    about +0.14). The noise test keeps drafting it in every request; a bare running mean held to zero (z = 0,
+    the negative control) skips it after runs of misses. A drafter whose every step loses (the misses alone)
+    is skipped most of the time, and one whose losses have no spread at all (every step cut to no position,
+    its drafting spent) almost always."""
     from specdraft.decode.backoff import Backoff
 
     rng = random.Random(0)
-    paying = [0.9 if rng.random() < 1 / 3 else -0.1 for _ in range(400)]
-    assert skipped_share(Backoff(max_skip=16), paying) < 0.05
-    assert skipped_share(Backoff(max_skip=16, decay=0.8, tolerance=0.0), paying) > 0.2
-    assert skipped_share(Backoff(max_skip=16), [-0.1] * 400) > 0.7
+    paying = [rng.choices([-0.116, 0.884, 1.884], [0.8, 0.15, 0.05])[0] for _ in range(2000)]
+    assert sum(paying) / len(paying) > 0.1
+    assert skipped_share(lambda: Backoff(max_skip=16), paying, 1.116, 2) < 0.02
+    assert skipped_share(lambda: Backoff(max_skip=16, z=0.0), paying, 1.116, 2) > 0.2
+    assert skipped_share(lambda: Backoff(max_skip=16), [-0.116] * 2000, 1.116, 2) > 0.6
+    assert skipped_share(lambda: Backoff(max_skip=16), [-0.08] * 2000, 1.08, 0) > 0.85
 
 
 def test_backoff_keeps_the_realized_record():
     """Steps the rule verified (a promise) but that made fewer tokens than plain decoding in their time count
-    as failures; steps that pay bring the running mean back above zero; unpriced steps leave it alone."""
-    from specdraft.decode.backoff import Backoff
+    as failures once the record shows them beyond its noise; skips then double up to max_skip; steps that
+    pay bring the record back above zero; unpriced steps leave it alone."""
+    from specdraft.decode.backoff import Backoff, null_variance
 
     backoff, pattern = Backoff(max_skip=4), []
-    for _ in range(5):
+    for _ in range(12):
         skipped = 0
         while backoff.should_skip():
             skipped += 1
         pattern.append(skipped)
         backoff.observe(2)  # the rule verified two positions
-        backoff.settle(1, 1.5)  # neither survived: 1 token where plain decoding makes 1.5 in that time
-    # the running mean starts from no evidence (0) and moves a twentieth of the way per step
-    assert pattern == [0, 1, 2, 4, 4] and backoff.net == pytest.approx(-0.5 * (1 - 0.95 ** 5))
-    for _ in range(10):
+        backoff.settle(1, 1.5, 2)  # neither survived: 1 token where plain decoding makes 1.5 in that time
+    # no spread in the record, so the test uses a break-even drafter's (binomial: 0.5 * (1 - 0.5 / 2)) and
+    # -0.5 + 1.64 * sqrt(0.375 / n) < 0 from the fifth settled step on
+    assert null_variance(0.5, 2) == pytest.approx(0.375)
+    assert pattern == [0, 0, 0, 0, 0, 1, 2, 4, 4, 4, 4, 4] and backoff.net == pytest.approx(-0.5)
+    for _ in range(20):
         while backoff.should_skip():
             pass
         backoff.observe(2)
-        backoff.settle(3, 1.5)
+        backoff.settle(3, 1.5, 2)
     assert backoff.net > 0 and not backoff.should_skip()
-    backoff.settle(1, None)
+    backoff.settle(1, None, 2)
     assert not backoff.should_skip()
 
 
@@ -339,7 +350,7 @@ def test_once_steps_settle_only_their_record_skips_the_drafter():
             skipped += 1
             continue
         backoff.observe(0 if step % 2 else 2)
-        backoff.settle(1.2 + 1.0, 1.0 + 1.0)
+        backoff.settle(1.2 + 1.0, 1.0 + 1.0, 2)
     assert skipped == 0
     fresh = Backoff(max_skip=16)
     fresh.observe(0)
@@ -348,8 +359,8 @@ def test_once_steps_settle_only_their_record_skips_the_drafter():
     for _ in range(200):
         if not cut_to_nothing.should_skip():
             cut_to_nothing.observe(0)
-            cut_to_nothing.settle(1, 1.08)
-    assert cut_to_nothing.net < -0.02 and cut_to_nothing.skip > 0
+            cut_to_nothing.settle(1, 1.08, 0)
+    assert cut_to_nothing.net == pytest.approx(-0.08) and cut_to_nothing.skip > 0
 
 
 def test_a_step_cut_to_no_position_is_priced_as_its_spent_drafting():
@@ -359,7 +370,6 @@ def test_a_step_cut_to_no_position_is_priced_as_its_spent_drafting():
     rule = CostRule(profile, max_skip=4)
     assert break_even(rule, 0) == pytest.approx((profile.draft_s(0, None) + profile.verify_s(1, 1)) / profile.verify_s(1, 1))
     assert break_even(rule, 0) > 1 and break_even(FixedRule(), 0) is None
-
 
 
 def test_the_loop_settles_a_drafted_step_cut_to_no_position_as_a_loss(monkeypatch):
@@ -375,13 +385,14 @@ def test_the_loop_settles_a_drafted_step_cut_to_no_position_as_a_loss(monkeypatc
     settled = []
 
     class RecordingBackoff(Backoff):
-        def settle(self, tokens, break_even):
-            settled.append((tokens, break_even))
-            super().settle(tokens, break_even)
+        def settle(self, tokens, break_even, verified=1):
+            settled.append((tokens, break_even, verified))
+            super().settle(tokens, break_even, verified)
 
     monkeypatch.setattr(generate_module, "make_backoff", lambda rule, proposer=None: RecordingBackoff(rule.max_skip))
     loop_samples(DeclinedDrafter(markov_tables()[1]), CostRule(synthetic_profile(length=3), max_skip=4), n=20)
-    assert settled and all(tokens == 1 and even > 1 for tokens, even in settled)
+    assert settled and all(tokens == 1 and even > 1 and verified == 0 for tokens, even, verified in settled)
+
 
 class PromisingDrafter(ConfidentDrafter):
     """Says every position survives (confidence 1) and drafts a token the target rarely samples, one-hot."""
