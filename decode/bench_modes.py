@@ -2,7 +2,8 @@
 
 sweep: per prompt, interleaved, plain decoding and speculative decoding at every fixed verify length,
 every threshold and the cost scheduler: tokens/s, τ and speedup per setting, the best fixed length, and
-the ceiling an oracle schedule would reach on the fixed lengths' steps (decode/oracle.py).
+the ceiling an oracle schedule would reach on the fixed lengths' steps (decode/oracle.py); OUT/runs.jsonl
+keeps every prompt's runs, which scripts/pool_sweeps.py pools over several sweeps (decode/sweep_runs.py).
 load: closed-loop load at each concurrency C (C requests in flight, the next joins when one leaves):
 plain, fixed-length and load-scheduled batched decoding; per-request and total tokens/s, and a PNG.
 calibrate: held-out decoding at each temperature bucket; fits the confidence temperatures, stores
@@ -29,6 +30,7 @@ from specdraft.decode.oracle import oracle_ceiling
 from specdraft.decode.proposer import NoProposer, gives_confidence
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
+from specdraft.decode.sweep_runs import write_runs
 
 
 def _config(bench) -> dict:
@@ -98,6 +100,7 @@ def run_sweep(bench) -> dict:
         # What any schedule could gain over the best fixed length with this drafter (decode/oracle.py).
         summary["ceiling"] = oracle_ceiling(results, [len(ids) for ids in bench.encoded], profile)
     summary["config"] = _config(bench)
+    write_runs(Path(cfg.out_dir), results, bench.encoded)  # per prompt: what pooling several sweeps needs
     return _write(bench, "results.json", summary)
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specdraft.decode.bench import run_bench
+from specdraft.decode.sweep_runs import compare, pool
 from tests.helpers import bench_config
 
 
@@ -68,6 +69,11 @@ def test_sweep_mode_reports_every_setting(tiny_model_dir, prompts_file, tmp_path
     probed, free = ceiling["confidence_cut"]["probed"], ceiling["confidence_cut"]["probe_free"]
     assert probed["steps"] == free["steps"] > 0 and probed["probe_priced"] and not free["probe_priced"]
     assert free["decode_tokens_per_s"] >= probed["decode_tokens_per_s"] and probed["vs_best_fixed"] > 0
+    # runs.jsonl keeps every prompt's runs: pooled on its own it gives back the summary's ratio and interval
+    pooled = pool([tmp_path])
+    assert set(pooled) == {"plain", *summary["settings"]} and all(len(runs) == 2 for runs in pooled.values())
+    row = compare(pooled, "cost", summary["best_fixed"])
+    assert row["e2e"] == pytest.approx(summary["cost_vs_best_fixed"]) and row["e2e_interval"] == tuple(interval["e2e"])
 
 
 def test_load_mode_table_and_plot(tiny_model_dir, prompts_file, tmp_path, tiny_export):
