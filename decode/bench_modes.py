@@ -30,7 +30,7 @@ from specdraft.decode.oracle import oracle_ceiling
 from specdraft.decode.proposer import NoProposer, gives_confidence
 from specdraft.decode.sampling import Sampler
 from specdraft.decode.scheduler import CostRule, FixedRule, LoadRule, ThresholdRule
-from specdraft.decode.sweep_runs import write_runs
+from specdraft.decode.sweep_runs import fixed_setting, fixed_settings, write_runs
 
 
 def _config(bench) -> dict:
@@ -52,7 +52,7 @@ def run_sweep(bench) -> dict:
     cfg, sampler, proposer = bench.cfg, bench.sampler, bench.proposer
     block = proposer.max_draft or cfg.decode.num_draft
     lengths = cfg.bench.sweep_lengths or list(range(1, block + 1))
-    rules = {f"fixed_{k}": (k, FixedRule()) for k in lengths}
+    rules = {fixed_setting(k): (k, FixedRule()) for k in lengths}
     has_confidence = gives_confidence(proposer)
     profile_info = None
     if has_confidence:
@@ -82,7 +82,7 @@ def run_sweep(bench) -> dict:
                       # T=0: every output equal to plain decoding's (which single mode holds equal to HF generate's)
                       "equal_to_plain": all(g.output_ids == p.output_ids for g, p in zip(results[kind], results["plain"]))
                       if sampler.greedy else None}
-    fixed = {k: v for k, v in rows.items() if k.startswith("fixed_")}
+    fixed = {k: rows[k] for k in fixed_settings(rows)}
     best_fixed = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
     summary = {"mode": "sweep", "plain_tokens_per_s": plain, "settings": rows, "best_fixed": best_fixed,
                "num_prompts": len(bench.encoded), "calibration": bench.calibration, "profile": profile_info,

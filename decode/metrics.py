@@ -43,6 +43,14 @@ def timing_stats(generations: list[Generation]) -> dict:
     }
 
 
+def speed(generations: list[Generation], decode: bool = False) -> float | None:
+    """`timing_stats`' tokens/s end to end, or with `decode` after the first token (1 / mean TPOT)."""
+    stats = timing_stats(generations)
+    if decode:
+        return 1 / stats["tpot_s"] if stats["tpot_s"] else None
+    return stats["tokens_per_s"]
+
+
 def paired_speed_interval(faster: list[Generation], slower: list[Generation], decode: bool = False,
                           level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
     """A percentile bootstrap interval of speed(faster) ÷ speed(slower) over prompts resampled in pairs (each
@@ -55,15 +63,10 @@ def paired_speed_interval(faster: list[Generation], slower: list[Generation], de
     pairs = list(zip(faster, slower))
     if len(pairs) < 2 or not 0 < level < 1:
         return None
-
-    def speed(generations: list[Generation]) -> float | None:
-        stats = timing_stats(generations)
-        return (1 / stats["tpot_s"] if stats["tpot_s"] else None) if decode else stats["tokens_per_s"]
-
     rng, ratios = random.Random(seed), []
     for _ in range(resamples):
         sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        a, b = speed([p[0] for p in sample]), speed([p[1] for p in sample])
+        a, b = speed([p[0] for p in sample], decode), speed([p[1] for p in sample], decode)
         if a and b:
             ratios.append(a / b)
     if not ratios:

@@ -17,6 +17,7 @@ confidence head cannot see; its gain over the cost scheduler is what the schedul
 from __future__ import annotations
 
 from specdraft.decode.generate import Generation
+from specdraft.decode.sweep_runs import fixed_setting, fixed_settings
 
 
 def step_contexts(prompt_length: int, generation: Generation) -> list[tuple[int, int, int, int]]:
@@ -53,7 +54,7 @@ def oracle_ceiling(results: dict[str, list[Generation]], prompt_lengths: list[in
     def steps(kind):
         return [s for length, g in zip(prompt_lengths, results[kind]) for s in step_contexts(length, g)]
 
-    fixed = [kind for kind in results if kind.startswith("fixed_")]
+    fixed = fixed_settings(results)
     priced = {kind: priced_rate(steps(kind), profile) for kind in ["plain", *fixed] if kind in results}
     oracle = {kind: priced_rate(steps(kind), profile, oracle=True) for kind in fixed}
     ran = [kind for kind in fixed if priced[kind] and oracle[kind]]
@@ -61,9 +62,9 @@ def oracle_ceiling(results: dict[str, list[Generation]], prompt_lengths: list[in
     best_oracle = max(ran, key=lambda kind: oracle[kind], default=None)
     # Rules that rank by c_1 (every scheduler here decides ℓ = 0 from it) on fixed_1's steps, where every step drafts.
     confidence = {}
-    if "fixed_1" in results:
+    if fixed_setting(1) in results:
         for name, probe in (("probed", True), ("probe_free", False)):
-            bound = confidence_cut(results["fixed_1"], prompt_lengths, profile, probe)
+            bound = confidence_cut(results[fixed_setting(1)], prompt_lengths, profile, probe)
             if bound and ran:
                 bound["vs_best_fixed"] = bound["decode_tokens_per_s"] / priced[best_fixed]
             confidence[name] = bound

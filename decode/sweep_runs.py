@@ -14,10 +14,21 @@ import json
 from pathlib import Path
 
 from specdraft.decode.generate import Generation
-from specdraft.decode.metrics import paired_speed_interval, timing_stats
+from specdraft.decode.metrics import paired_speed_interval, speed
 from specdraft.io.files import write_text_atomically
 
 RUNS_FILE = "runs.jsonl"
+FIXED_PREFIX = "fixed_"  # a sweep's fixed-length settings: fixed_1, fixed_2, ...
+
+
+def fixed_setting(length: int) -> str:
+    """The sweep's name for verifying `length` drafted tokens at every step."""
+    return f"{FIXED_PREFIX}{length}"
+
+
+def fixed_settings(settings) -> list:
+    """The fixed-length settings among a sweep's, in their order."""
+    return [setting for setting in settings if setting.startswith(FIXED_PREFIX)]
 
 
 def write_runs(out_dir: Path, results: dict[str, list[Generation]], encoded: list[list[int]]) -> Path:
@@ -74,17 +85,9 @@ def pool(out_dirs: list[str | Path]) -> dict[str, list[Generation]]:
     return pooled
 
 
-def speed(generations: list[Generation], decode: bool) -> float | None:
-    """Tokens per second end to end, or after the first token (1 / mean TPOT), as the sweep reports them."""
-    stats = timing_stats(generations)
-    if decode:
-        return 1 / stats["tpot_s"] if stats["tpot_s"] else None
-    return stats["tokens_per_s"]
-
-
 def best_fixed(pooled: dict[str, list[Generation]], decode: bool = True) -> str:
     """The fixed length that was fastest over all pooled runs."""
-    fixed = [setting for setting in pooled if setting.startswith("fixed_")]
+    fixed = fixed_settings(pooled)
     if not fixed:
         raise ValueError(f"no fixed length among the pooled settings {sorted(pooled)}")
     return max(fixed, key=lambda setting: speed(pooled[setting], decode) or 0)
