@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.decode.calibration import apply_map
 from specdraft.decode.proposer import BlockDrafterProposer, Proposal, pick_draft_token
 from specdraft.decode.sampling import Sampler
 
@@ -50,7 +51,7 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
     block_logits = None
     heads = drafter.markov_head
     state = heads.initial_state(len(rows), out.hidden[:, 0]) if heads is not None else None
-    temperatures = proposers[rows[0]]._temperatures(sampler)
+    maps = proposers[rows[0]].calibration_maps(sampler)
     target_vocab = drafter.embed_tokens.num_embeddings
     previous = anchors
     tokens = {r: [] for r in rows}
@@ -64,7 +65,7 @@ def propose_blocks(proposers: list[BlockDrafterProposer], contexts: list[list[in
         if heads is not None:
             embedding = heads.markov_w1(previous)  # (R, r)
             z = drafter.confidence_head(torch.cat([hidden, embedding], -1)).float()  # (R,)
-            scores = torch.sigmoid(z / temperatures[k] if temperatures else z)
+            scores = apply_map(z, maps, k)
             if k == 0 and gate is not None:
                 first = [[] for _ in proposers]
                 for i in live:

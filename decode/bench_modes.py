@@ -6,7 +6,7 @@ the ceiling an oracle schedule would reach on the fixed lengths' steps (decode/o
 keeps every prompt's runs, which scripts/pool_sweeps.py pools over several sweeps (decode/sweep_runs.py).
 load: closed-loop load at each concurrency C (C requests in flight, the next joins when one leaves):
 plain, fixed-length and load-scheduled batched decoding; per-request and total tokens/s, and a PNG.
-calibrate: held-out decoding at each temperature bucket; fits the confidence temperatures, stores
+calibrate: held-out decoding at each temperature bucket; fits the confidence maps, stores
 them with the export, reports ECE/Brier/AUROC before and after, and draws a reliability diagram.
 check: an export loaded as a serving engine loads it, decoded greedily with every position verified, its tau
 held to what training measured on held-out data (the "fine in validation, tau near 1 when served" failure).
@@ -308,14 +308,14 @@ def llama_cpp_check(bench, block: int, ours: list) -> dict:
 
 def run_calibrate(bench) -> dict:
     """Decode held-out prompts with every position verified, per temperature bucket; fit on half the
-    prompts, report on the other half, store the temperatures in the export."""
+    prompts, report on the other half, store the maps in the export."""
     from specdraft.decode.calibrate import fit_bucket, plot_reliability, write_calibration
 
     cfg, proposer = bench.cfg, bench.proposer
     if getattr(getattr(proposer, "drafter", None), "confidence_head", None) is None:
         raise ValueError("bench.mode=calibrate needs proposer=drafter with a dspark export (it has a confidence head)")
     if len(bench.encoded) < 2:
-        raise ValueError("bench.mode=calibrate needs at least 2 prompts (half fit the temperatures, half evaluate them)")
+        raise ValueError("bench.mode=calibrate needs at least 2 prompts (half fit the maps, half evaluate them)")
     if cfg.proposer.branches is None:
         proposer.branches = 1  # the default tree is for decoding; calibration verifies the main chain alone
     if getattr(proposer, "branches", 1) != 1:

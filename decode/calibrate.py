@@ -2,21 +2,25 @@
 
 Data: real verify steps. Each step drafted k positions with raw confidence logits z_1..z_k and
 accepted n of them; position j "survived" when n >= j. Steps from half of the prompts fit the
-per-position temperatures (decode/calibration.py), the other half measure ECE/Brier/AUROC before
-and after, so the reported gain is out of sample. Greedy and sampled decoding draft different
-tokens and survive by different rules, so each temperature bucket gets its own temperatures:
-"greedy" (T = 0) and "sampling" (fitted at the sampling temperature given, applied to every T > 0).
+per-position maps c_j = sigmoid(scale_j · z_j + shift_j) (decode/calibration.py), the other half measure
+ECE/Brier/AUROC before and after, so the reported gain is out of sample. Greedy and sampled decoding draft
+different tokens and survive by different rules (the head is trained on T=1's acceptance chance, and at
+T=0 a position survives only where the drafter's top token is the target's), so each temperature bucket
+gets its own maps: "greedy" (T = 0) and "sampling" (fitted at the sampling temperature given, applied to
+every T > 0). Files from before the maps held one temperature per position; they read as scale = 1 / T,
+shift = 0.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from specdraft.io.files import write_text_atomically
-from specdraft.decode.calibration import calibration_report, fit_sequential_temperatures
+from specdraft.decode.calibration import calibration_report, fit_platt
 from specdraft.decode.generate import Generation
 
 CALIBRATION_FILE = "calibration.json"
@@ -41,22 +45,23 @@ def survival_arrays(generations: list[Generation], positions: int) -> tuple[torc
 
 
 def fit_bucket(fit_gens: list[Generation], eval_gens: list[Generation], positions: int) -> dict:
-    """Temperatures from one half, the before/after report from the other."""
+    """Maps from one half, the before/after report from the other."""
     z, survived, drafted = survival_arrays(fit_gens, positions)
-    temperatures = fit_sequential_temperatures(z, survived, drafted)
+    scale, shift = fit_platt(z, survived, drafted)
     ez, esurvived, edrafted = survival_arrays(eval_gens, positions)
     return {
-        "temperatures": temperatures.tolist(),
+        "maps": {"scale": scale.tolist(), "shift": shift.tolist()},
         "fit_steps": int(z.shape[0]),
         "eval_steps": int(ez.shape[0]),
-        "report": calibration_report(ez, esurvived, edrafted, temperatures),
-        "_eval": (ez, esurvived, edrafted, temperatures),
+        "report": calibration_report(ez, esurvived, edrafted, scale, shift),
+        "_eval": (ez, esurvived, edrafted, scale, shift),
     }
 
 
 def write_calibration(export_dir: Path, buckets: dict, meta: dict) -> Path:
-    """EXPORT/calibration.json (atomic): {"greedy": [T_j], "sampling": [T_j], "meta": ..., "report": ...}."""
-    data = {name: bucket["temperatures"] for name, bucket in buckets.items()}
+    """EXPORT/calibration.json (atomic): {"greedy": {"scale": [..], "shift": [..]}, "sampling": {..}, "meta": ...,
+    "report": ...}."""
+    data = {name: bucket["maps"] for name, bucket in buckets.items()}
     data["report"] = {name: bucket["report"] for name, bucket in buckets.items()}
     data["meta"] = meta
     path = Path(export_dir) / CALIBRATION_FILE
@@ -64,19 +69,32 @@ def write_calibration(export_dir: Path, buckets: dict, meta: dict) -> Path:
 
 
 def read_calibration(location: str | Path) -> dict | None:
-    """The per-bucket temperatures in a calibration file (or an export folder's), None if there is none."""
+    """The per-bucket maps in a calibration file (or an export folder's): {bucket: {"scale": [..], "shift": [..]}},
+    None if there is none."""
     path = Path(location)
     path = path / CALIBRATION_FILE if path.is_dir() else path
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-        buckets = {name: [float(t) for t in data[name]] for name in ("greedy", "sampling") if name in data}
+        buckets = {name: _bucket_maps(data[name]) for name in ("greedy", "sampling") if name in data}
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ValueError(f"{path} is corrupt ({type(err).__name__}: {err}); delete it or rerun bench.mode=calibrate") from None
-    if any(t <= 0 for temps in buckets.values() for t in temps):
-        raise ValueError(f"{path} holds a non-positive temperature; delete it or rerun bench.mode=calibrate")
+    for maps in buckets.values():
+        if len(maps["scale"]) != len(maps["shift"]) or not all(map(math.isfinite, maps["scale"] + maps["shift"])):
+            raise ValueError(f"{path} holds a malformed map (scales and shifts must be finite and pair up); "
+                             "delete it or rerun bench.mode=calibrate")
     return buckets
+
+
+def _bucket_maps(entry) -> dict:
+    """One bucket's maps; a list is a file from before the maps (a temperature per position: scale 1 / T)."""
+    if isinstance(entry, list):
+        temperatures = [float(t) for t in entry]
+        if any(t <= 0 for t in temperatures):
+            raise ValueError("a non-positive temperature")
+        return {"scale": [1 / t for t in temperatures], "shift": [0.0] * len(temperatures)}
+    return {"scale": [float(v) for v in entry["scale"]], "shift": [float(v) for v in entry["shift"]]}
 
 
 def plot_reliability(buckets: dict, path: Path, bins: int = 10) -> Path:
@@ -90,9 +108,9 @@ def plot_reliability(buckets: dict, path: Path, bins: int = 10) -> Path:
 
     fig, axes = plt.subplots(len(buckets), 2, figsize=(10, 4 * len(buckets)), squeeze=False)
     for row, (name, bucket) in enumerate(buckets.items()):
-        z, survived, drafted, temperatures = bucket["_eval"]
-        for label, temps in (("before", torch.ones_like(temperatures)), ("after", temperatures)):
-            a = cumulative_survival(z, temps)[drafted]
+        z, survived, drafted, scale, shift = bucket["_eval"]
+        for label, maps in (("before", (torch.ones_like(scale), torch.zeros_like(shift))), ("after", (scale, shift))):
+            a = cumulative_survival(z, *maps)[drafted]
             y = survived[drafted].float()
             index = (a * bins).long().clamp(max=bins - 1)
             xs, ys = [], []

@@ -1,10 +1,14 @@
-"""Calibration of the confidence head: sequential temperature scaling of the cumulative survival.
+"""Calibration of the confidence head: per-position Platt scaling of the conditional survival.
 
 The scheduler acts on a_j = Π_{i≤j} c_i, the predicted chance that drafted positions 1..j all survive
-verification, so that product is what must be calibrated, not each c_i alone. Position by position,
-left to right, a temperature T_j is chosen (grid search: ECE is piecewise constant in T) to minimise the
-expected calibration error of a_j = a_{j-1} · sigmoid(z_j / T_j) against the observed survival of 1..j,
-with the earlier temperatures fixed. Rows where position j was not drafted are left out of its fit.
+verification. By the chain rule a_j is calibrated when each c_j is calibrated as the chance that position j
+survives given that 1..j-1 did, so each position gets its own affine map of the head's logit,
+c_j = sigmoid(scale_j · z_j + shift_j), fitted by maximum likelihood (log-loss, a proper scoring rule) on the
+rows that drafted position j after 1..j-1 survived. The shift is what a temperature alone lacks: the
+default export's head at T=0 put c_1 at 0.27 on average where 0.19 survived, and a temperature can move
+predictions only toward or away from one half, not down as a whole. Positions with few such rows lean on the
+position before them (a prior worth `prior_rows` rows pulls each map toward the previous one, the identity
+for position 1), so a deep position seen a handful of times does not get a wild map.
 
 Plain functions over tensors: z (N, K) confidence logits, survived (N, K) bool (positions 1..j all
 accepted), drafted (N, K) bool.
@@ -13,9 +17,7 @@ accepted), drafted (N, K) bool.
 from __future__ import annotations
 
 import torch
-
-DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81)  # temperatures 0.1 .. 10
-
+import torch.nn.functional as F
 
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> float:
     """Equal-width-bin ECE: Σ_b (n_b / n) · |mean prediction − mean label| over the bin."""
@@ -50,41 +52,70 @@ def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
-def cumulative_survival(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """a (N, K): running product of sigmoid(z_i / T_i)."""
-    return torch.sigmoid(logits.float() / temperatures.float()).cumprod(-1)
+def cumulative_survival(logits: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """a (N, K): running product of c_j = sigmoid(scale_j · z_j + shift_j)."""
+    return torch.sigmoid(logits.float() * scale.float() + shift.float()).cumprod(-1)
 
 
-def fit_sequential_temperatures(logits: torch.Tensor, survived: torch.Tensor, drafted: torch.Tensor,
-                                grid: torch.Tensor = DEFAULT_GRID, bins: int = 15) -> torch.Tensor:
-    """T (K,): for j = 1..K in order, the grid temperature minimising the ECE of a_j (earlier T fixed)."""
-    rows, positions = logits.shape
-    temperatures = torch.ones(positions)
-    before = torch.ones(rows)  # a_{j-1}
+def _fit_position(z: torch.Tensor, label: torch.Tensor, prior: tuple[float, float], prior_rows: float) -> tuple[float, float]:
+    """(scale, shift) minimising the mean log-loss of sigmoid(scale · z + shift) against `label`, plus a
+    quadratic pull toward `prior` worth `prior_rows` rows (it also keeps the fit finite when one class is absent)."""
+    z, label = z.double(), label.double()
+    start = torch.tensor(prior, dtype=torch.float64)
+    params = start.clone().requires_grad_(True)
+    weight = prior_rows / max(len(z), 1)
+    optimizer = torch.optim.LBFGS([params], max_iter=100, line_search_fn="strong_wolfe")
+
+    def loss_fn():
+        optimizer.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(params[0] * z + params[1], label) + weight * (params - start).pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(loss_fn)
+    scale, shift = params.detach().tolist()
+    return scale, shift
+
+
+def fit_platt(logits: torch.Tensor, survived: torch.Tensor, drafted: torch.Tensor,
+              prior_rows: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale (K,), shift (K,)): per position j, the map of z_j fitted on the rows that drafted j after 1..j-1
+    survived (labels: whether j survived too), pulled toward position j-1's map."""
+    positions = logits.shape[1]
+    scale, shift = torch.ones(positions), torch.zeros(positions)
+    prior = (1.0, 0.0)  # position 1 leans on the head as trained
     for j in range(positions):
-        mask = drafted[:, j].bool()
-        if mask.sum() == 0:
-            continue  # never drafted: keep T = 1
-        z, prefix, label = logits[mask, j].float(), before[mask], survived[mask, j]
-        errors = torch.tensor([expected_calibration_error(prefix * torch.sigmoid(z / t), label, bins) for t in grid])
-        temperatures[j] = grid[int(errors.argmin())]  # first minimum: ties go to the smaller temperature
-        before = before * torch.sigmoid(logits[:, j].float() / temperatures[j])
-    return temperatures
+        rows = drafted[:, j].bool()
+        if j:  # not in place: .bool() of a bool tensor is the caller's tensor itself
+            rows = rows & survived[:, j - 1].bool()
+        if rows.any():
+            prior = _fit_position(logits[rows, j].float(), survived[rows, j].float(), prior, prior_rows)
+        scale[j], shift[j] = prior  # no rows: the previous position's map
+    return scale, shift
 
 
 def calibration_report(logits: torch.Tensor, survived: torch.Tensor, drafted: torch.Tensor,
-                       temperatures: torch.Tensor, bins: int = 15) -> list[dict]:
-    """Per position: rows, ECE, Brier and AUROC of a_j before (T = 1) and after scaling."""
-    raw = cumulative_survival(logits, torch.ones(logits.shape[1]))
-    scaled = cumulative_survival(logits, temperatures)
+                       scale: torch.Tensor, shift: torch.Tensor, bins: int = 15) -> list[dict]:
+    """Per position: rows, ECE, Brier and AUROC of a_j before (the head as trained) and after its maps."""
+    positions = logits.shape[1]
+    raw = cumulative_survival(logits, torch.ones(positions), torch.zeros(positions))
+    scaled = cumulative_survival(logits, scale, shift)
     report = []
     for j in range(logits.shape[1]):
         mask = drafted[:, j].bool()
         label = survived[mask, j]
-        entry = {"position": j + 1, "rows": int(mask.sum()), "temperature": float(temperatures[j])}
+        entry = {"position": j + 1, "rows": int(mask.sum()), "scale": float(scale[j]), "shift": float(shift[j])}
         for name, probs in (("before", raw[mask, j]), ("after", scaled[mask, j])):
             entry[f"ece_{name}"] = expected_calibration_error(probs, label, bins)
             entry[f"brier_{name}"] = brier_score(probs, label)
             entry[f"auroc_{name}"] = auroc(probs, label)
         report.append(entry)
     return report
+
+
+def apply_map(z: torch.Tensor, maps: dict | None, position: int) -> torch.Tensor:
+    """c at a drafted `position` (0-based) from the head's logit z: sigmoid(scale · z + shift) with the stored map
+    ({"scale": [...], "shift": [...]}, decode/calibrate.py), or sigmoid(z), the head as trained, without one."""
+    if not maps:
+        return torch.sigmoid(z)
+    return torch.sigmoid(z * maps["scale"][position] + maps["shift"][position])

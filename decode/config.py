@@ -82,7 +82,7 @@ class SchedulerConfig:
 
 @dataclass
 class CalibrateSettings:
-    """bench.mode=calibrate: held-out decoding that fits the confidence temperatures stored with the export."""
+    """bench.mode=calibrate: held-out decoding that fits the confidence maps stored with the export."""
 
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # buckets: 0 -> greedy, >0 -> sampling
 

@@ -90,7 +90,7 @@ def make_proposer(cfg: ProposerConfig, target, target_name: str, backend: str = 
 
 
 def attach_calibration(proposer, export: str | None, setting: str = "auto") -> str | None:
-    """Give a block drafter (a hybrid's drafter part too) its stored confidence temperatures: setting auto =
+    """Give a block drafter (a hybrid's drafter part too) its stored confidence maps: setting auto =
     EXPORT/calibration.json where present, none, or a file. Returns the file used (None: uncalibrated)."""
     from specdraft.decode.calibrate import CALIBRATION_FILE, read_calibration
 
@@ -104,9 +104,9 @@ def attach_calibration(proposer, export: str | None, setting: str = "auto") -> s
         if not path.is_file():
             raise FileNotFoundError(f"calibration file {path} does not exist; use auto, none or a calibration.json")
     calibration = read_calibration(path)
-    for bucket, temperatures in (calibration or {}).items():
-        if len(temperatures) < drafter.max_draft:
-            raise ValueError(f"{path} holds {len(temperatures)} {bucket} temperatures but this drafter drafts "
+    for bucket, maps in (calibration or {}).items():
+        if len(maps["scale"]) < drafter.max_draft:
+            raise ValueError(f"{path} holds {len(maps['scale'])} {bucket} maps but this drafter drafts "
                              f"{drafter.max_draft} positions: it was made for another export; rerun bench.mode=calibrate")
     proposer.calibration = calibration
     return str(path) if calibration else None

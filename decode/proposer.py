@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from specdraft.decode.backoff import Backoff
+from specdraft.decode.calibration import apply_map
 from specdraft.decode.sampling import Sampler, sample
 from specdraft.decode.session import CausalSession
 from specdraft.models.layouts import EXTERNAL, folder_kind
@@ -433,7 +434,7 @@ class BlockDrafterProposer:
         self.branches = branches
         self.feature_layers = tuple(feature_layers)
         self.max_draft = drafter.block_size
-        self.calibration = calibration  # {"greedy"|"sampling": per-position temperatures}, see decode/calibration.py
+        self.calibration = calibration  # {"greedy"|"sampling": {"scale": [..], "shift": [..]}}, see decode/calibrate.py
         self.cache: list | None = None
         self.length = 0  # context positions in the cache
         self.pending: list[torch.Tensor] = []  # committed features not yet in the cache (see `commit`)
@@ -448,7 +449,8 @@ class BlockDrafterProposer:
         return BlockDrafterProposer(self.drafter, self.feature_layers, self.calibration,
                                     self.markov_memo if self.markov_memo is not None else False, self.branches)
 
-    def _temperatures(self, sampler: Sampler) -> list[float] | None:
+    def calibration_maps(self, sampler: Sampler) -> dict | None:
+        """The confidence maps for this sampler's bucket (None: the head as trained)."""
         if not self.calibration:
             return None
         return self.calibration.get("greedy" if sampler.greedy else "sampling")
@@ -494,7 +496,7 @@ class BlockDrafterProposer:
         block_logits = None
         heads = drafter.markov_head
         state = heads.initial_state(1, out.hidden[:, 0]) if heads is not None else None
-        temperatures = self._temperatures(sampler)
+        maps = self.calibration_maps(sampler)
         previous, tokens, draft_probs, confidence, raw = anchor, [], [], [], []
         target_vocab = drafter.embed_tokens.num_embeddings
         for k in range(num_draft):
@@ -504,7 +506,7 @@ class BlockDrafterProposer:
                 # c_k depends on x_{k-1} (through W1) but not on x_k: the rule may stop here, before x_k is drawn.
                 z = drafter.confidence_head(torch.cat([hidden, embedding], -1)).float()[0]
                 raw.append(z)
-                confidence.append(torch.sigmoid(z / temperatures[k] if temperatures else z))
+                confidence.append(apply_map(z, maps, k))
                 if rule is not None and not rule.verify([float(c) for c in confidence]):
                     confidence.pop(), raw.pop()
                     break

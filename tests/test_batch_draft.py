@@ -52,7 +52,8 @@ def close(a, b):
 @pytest.mark.parametrize("rule", [None, ThresholdRule(0.5)], ids=["whole_blocks", "threshold"])
 def test_batched_drafting_equals_drafting_each_request_alone(mode, markov, sampler, rule):
     drafter = drafter_for(mode, markov)
-    calibration = {"greedy": [0.7, 1.3, 1.0, 2.0], "sampling": [1.5, 1.0, 0.5, 1.0]}
+    calibration = {"greedy": {"scale": [1.4, 0.8, 1.0, 0.5], "shift": [-0.7, 0.2, 0.0, -1.0]},
+                   "sampling": {"scale": [0.7, 1.0, 2.0, 1.0], "shift": [0.3, -0.4, 0.0, 0.1]}}
     proposers, contexts = requests(drafter, calibration)
     assert can_batch(proposers)
     alone_gens = [torch.Generator().manual_seed(10 + r) for r in range(len(LIMITS))]
@@ -79,6 +80,6 @@ def test_can_batch_needs_one_block_drafter_with_context():
     assert not can_batch([BlockDrafterProposer(drafter, (1, 2))])  # no context yet
     other, _ = requests(drafter_for("dspark", "vanilla"), None)
     assert not can_batch(proposers[:1] + other[:1])  # two different drafters
-    calibrated = BlockDrafterProposer(drafter, (1, 2), {"greedy": [2.0] * 4})
+    calibrated = BlockDrafterProposer(drafter, (1, 2), {"greedy": {"scale": [0.5] * 4, "shift": [0.0] * 4}})
     calibrated.start(None, torch.randn(3, 2 * 32))
     assert not can_batch(proposers[:1] + [calibrated])  # two calibrations: confidences would be wrong for one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -21,8 +22,9 @@ def test_calibrate_then_cost_scheduler_uses_calibration_and_profile(tiny_model_d
     summary = run_bench(config(tiny_model_dir, prompts_file, tmp_path / "cal", f"proposer.path={tiny_export}",
                                "bench.mode=calibrate", "bench.num_prompts=3"))
     stored = json.loads((tiny_export / "calibration.json").read_text())
-    assert len(stored["greedy"]) == 3 and len(stored["sampling"]) == 3
-    assert all(t > 0 for t in stored["greedy"] + stored["sampling"])
+    for bucket in ("greedy", "sampling"):
+        assert len(stored[bucket]["scale"]) == 3 and len(stored[bucket]["shift"]) == 3
+        assert all(math.isfinite(v) for v in stored[bucket]["scale"] + stored[bucket]["shift"])
     report = summary["buckets"]["greedy"]["report"]
     assert {"ece_before", "ece_after", "brier_before", "auroc_after"} <= report[0].keys()
     assert (tmp_path / "cal" / "reliability.png").stat().st_size > 1000

@@ -80,7 +80,13 @@ def test_tiny_end_to_end_run(tmp_path, chat_file, tiny_model_dir, drafter):
                  b"validate/lossless", f"drafter-{drafter}".encode(), b"model.safetensors"):
         assert name in logged, name
     assert results["eval_tau_estimate"] is not None and results["export_path"] == str(run_dir / "export")
-    assert set(results["stage_seconds"]) == {"data", "train", "export", "validate"}
+    # dspark carries a confidence head: the export is calibrated before validation (eagle3 has none to calibrate).
+    calibrated = drafter == "dspark"
+    assert set(results["stage_seconds"]) == {"data", "train", "export", "validate"} | ({"calibrate"} if calibrated else set())
+    assert (run_dir / "export" / "calibration.json").is_file() == calibrated
+    assert (results["calibration"] is not None) == calibrated
+    if calibrated:
+        assert set(results["calibration"]["position_1"]) == {"greedy", "sampling"}
     chosen = results["train_target_dtype"]  # trainer.target_dtype=auto: the decision and its reason
     assert chosen["dtype"] in ("float32", "bfloat16") and "trainer.target_dtype=auto" in chosen["reason"]
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "specdraft.json").is_file()
@@ -136,6 +142,10 @@ def test_tiny_end_to_end_two_processes(tmp_path, chat_file, tiny_model_dir):
     assert results["train_tokens_per_s"] > 0
     assert len((run_dir / "data" / "responses.jsonl").read_text().splitlines()) == 10  # regenerated once, by rank 0
     assert proc.stdout.count("specdraft distill — summary") == 1  # printed by rank 0 only
+    # One prompt cannot be split into a half that fits the confidence maps and a half that evaluates them: the
+    # stage says so and the run goes on to validate the uncalibrated export.
+    assert results["calibration"] is None and "calibrate: skipped, 1 prompt(s)" in proc.stdout
+    assert not (run_dir / "export" / "calibration.json").exists()
 
 
 def test_tiny_standalone_drafter_end_to_end(tmp_path, chat_file, tiny_model_dir):
