@@ -109,7 +109,7 @@ def plot_reliability(buckets: dict, path: Path, bins: int = 10) -> Path:
     fig, axes = plt.subplots(len(buckets), 2, figsize=(10, 4 * len(buckets)), squeeze=False)
     for row, (name, bucket) in enumerate(buckets.items()):
         z, survived, drafted, scale, shift = bucket["_eval"]
-        for label, maps in (("before", (torch.ones_like(scale), torch.zeros_like(shift))), ("after", (scale, shift))):
+        for label, maps in (("before", ()), ("after", (scale, shift))):
             a = cumulative_survival(z, *maps)[drafted]
             y = survived[drafted].float()
             index = (a * bins).long().clamp(max=bins - 1)

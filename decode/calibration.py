@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> float:
     """Equal-width-bin ECE: Σ_b (n_b / n) · |mean prediction − mean label| over the bin."""
     probs, labels = probs.float().flatten(), labels.float().flatten()
@@ -52,8 +53,11 @@ def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
-def cumulative_survival(logits: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """a (N, K): running product of c_j = sigmoid(scale_j · z_j + shift_j)."""
+def cumulative_survival(logits: torch.Tensor, scale: torch.Tensor | None = None,
+                        shift: torch.Tensor | None = None) -> torch.Tensor:
+    """a (N, K): running product of c_j = sigmoid(scale_j · z_j + shift_j); without maps, of the head as trained."""
+    if scale is None:
+        return torch.sigmoid(logits.float()).cumprod(-1)
     return torch.sigmoid(logits.float() * scale.float() + shift.float()).cumprod(-1)
 
 
@@ -97,8 +101,7 @@ def fit_platt(logits: torch.Tensor, survived: torch.Tensor, drafted: torch.Tenso
 def calibration_report(logits: torch.Tensor, survived: torch.Tensor, drafted: torch.Tensor,
                        scale: torch.Tensor, shift: torch.Tensor, bins: int = 15) -> list[dict]:
     """Per position: rows, ECE, Brier and AUROC of a_j before (the head as trained) and after its maps."""
-    positions = logits.shape[1]
-    raw = cumulative_survival(logits, torch.ones(positions), torch.zeros(positions))
+    raw = cumulative_survival(logits)
     scaled = cumulative_survival(logits, scale, shift)
     report = []
     for j in range(logits.shape[1]):

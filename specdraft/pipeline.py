@@ -93,14 +93,16 @@ def engine_generator(target, backend_name: str, concurrency: int, kernel: str = 
 
 
 def _bench_config(cfg: DistillConfig, export: Path, out_dir: Path, dtype: str, scheduler: str = "fixed",
-                  **bench) -> BenchConfig:
-    """A decode benchmark of the export on the validate prompts (bench: BenchSettings fields to change)."""
+                  max_new_tokens: int | None = None, **bench) -> BenchConfig:
+    """A decode benchmark of the export on the validate prompts (max_new_tokens: None for validate's; bench:
+    BenchSettings fields to change)."""
     return BenchConfig(
         target=TargetConfig(cfg.target.name_or_path, dtype, cfg.target.threads, cfg.target.device,
                             backend=cfg.target.backend, kernel=cfg.target.kernel),
         proposer=ProposerConfig(name=kind(cfg.drafter.mode).proposer, path=str(export)),
         data=DataConfig(name=cfg.validate.data, path=cfg.validate.data_path),
-        decode=DecodeConfig(max_new_tokens=cfg.validate.max_new_tokens, num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
+        decode=DecodeConfig(max_new_tokens=max_new_tokens or cfg.validate.max_new_tokens,
+                            num_draft=cfg.validate.num_draft or cfg.drafter.block_size),
         scheduler=SchedulerConfig(name=scheduler),
         bench=BenchSettings(**{"num_prompts": cfg.validate.num_prompts, "seed": cfg.trainer.seed, "baselines": False,
                                "concurrency": [1], **bench}),  # one request: the profile needs no batched curves
@@ -122,10 +124,9 @@ def calibrate(cfg: DistillConfig, export: Path, run_dir: Path) -> dict | None:
               f"{settings.calibrate_first_prompt} (validate.calibrate_first_prompt) where it needs 2; the export decodes "
               "with its confidence head as trained")
         return None
-    bench_cfg = _bench_config(cfg, export, run_dir / "validate" / "calibrate", "float32", mode="calibrate",
-                              num_prompts=settings.calibrate_prompts, first_prompt=settings.calibrate_first_prompt)
-    bench_cfg.decode.max_new_tokens = settings.calibrate_max_new_tokens
-    summary = run_bench(bench_cfg)
+    summary = run_bench(_bench_config(cfg, export, run_dir / "validate" / "calibrate", "float32",
+                                      max_new_tokens=settings.calibrate_max_new_tokens, mode="calibrate",
+                                      num_prompts=settings.calibrate_prompts, first_prompt=settings.calibrate_first_prompt))
     first = {name: {"ece_before": bucket["report"][0]["ece_before"], "ece_after": bucket["report"][0]["ece_after"]}
              for name, bucket in summary["buckets"].items()}
     return {"path": summary["calibration_path"], "num_prompts": summary["num_prompts"],
