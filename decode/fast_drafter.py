@@ -6,7 +6,8 @@ block, then per drafted position the LM head over the draft vocabulary and the M
 GEMV streams those weights at a third of the memory bandwidth here: measured on the embedded target's
 one-layer DSpark export, fp32, 2 threads, drafting 4 positions took 10.8 ms against a 22 ms verify step.
 The twin shares every parameter and buffer of the drafter (embeddings, heads, norms) and adds packed
-copies of the Linear weights only; its RMSNorms run as one fused call and its rotary embedding reads a
+copies of the Linear weights only; a draft layer's q/k/v (and the context's k/v) and its MLP's gate/up
+run as one matmul each, as the fast target's do; its RMSNorms run as one fused call and its rotary embedding reads a
 table of positions (the eager module's five or six small ops each were about half a step's time once the
 matmuls were packed). decode/proposer.py runs the same code over either module, so the twin differs from
 the reference only in summation order (tests/test_fast_drafter.py holds the parity).
@@ -20,8 +21,9 @@ import itertools
 import torch
 from torch import nn
 
-from specdraft.decode.fast_target import norm_eps, rms_norm
+from specdraft.decode.fast_target import fused_linear, norm_eps, rms_norm
 from specdraft.decode.linear_kernels import KernelPlan, PackedLinear, candidates, plan_for
+from specdraft.models.drafter import ContextAttention
 
 
 # A layer of a few outputs (the confidence head's one) stays on F.linear: its weights are a few KB, and a oneDNN
@@ -90,6 +92,55 @@ class CachedRotary(nn.Module):
         return cos[position_ids], sin[position_ids]
 
 
+class FusedContextAttention(ContextAttention):
+    """A block drafter's attention with its query, key and value projections computed as one matmul, and the
+    context features' keys and values as another (the function is the reference's: the same weights, the
+    outputs split where they were concatenated). Why: right after a target step every linear call of the
+    drafter starts with cold caches, and on a 2-core AMX Xeon a cold bf16 call took about 0.25 ms before its
+    weights mattered (a 16 x 16 one: 0.26 ms cold, 0.03 ms warm), so a drafter step paid for its number of
+    calls more than for its weights; fused, the backbone runs 5 of them instead of 8."""
+
+    @classmethod
+    def adopt(cls, attn: ContextAttention, plan: KernelPlan) -> "FusedContextAttention":
+        """Turn the twin's own copy of a ContextAttention into this class (its tensors stay shared with the
+        reference; q/k/v stay as they are for code that reads their weights, and are no longer called)."""
+        attn.__class__ = cls
+        attn.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], plan)
+        attn.kv = fused_linear([attn.k_proj, attn.v_proj], plan)
+        attn.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        return attn
+
+    def project_kv(self, x: torch.Tensor):
+        # x (B, S, H) -> k, v (B, S, kv_heads * D) each
+        return self.kv(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).split(self.split[1:], dim=-1)
+
+    def project_qkv(self, x: torch.Tensor):
+        # x (B, S, H) -> q (B, S, heads * D), k, v (B, S, kv_heads * D)
+        return self.qkv(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).split(self.split, dim=-1)
+
+
+class FusedGatedMLP(nn.Module):
+    """A SiLU-gated MLP (transformers' Llama/Qwen MLP: down(act(gate(x)) * up(x))) with gate and up as one
+    matmul, for the reason FusedContextAttention gives."""
+
+    def __init__(self, mlp: nn.Module, plan: KernelPlan):
+        super().__init__()
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], plan)
+        self.down = PackedLinearModule(mlp.down_proj, plan)
+        self.act_fn, self.intermediate = mlp.act_fn, mlp.gate_proj.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., H) -> (..., 2 * I) -> (..., H)
+        gate, up = self.gate_up(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).split(self.intermediate, dim=-1)
+        return self.down(self.act_fn(gate) * up)
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return (type(module).__name__.endswith("MLP") and hasattr(module, "act_fn")
+            and all(isinstance(part, nn.Linear) for part in parts))
+
+
 def _is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
 
@@ -113,10 +164,25 @@ def fast_drafter_unavailable(drafter: nn.Module) -> str | None:
 
 
 def _linear_shapes(drafter: nn.Module) -> dict[tuple[int, int], int]:
+    """(out, in) -> count of the matmuls the twin runs: fused groups as one, layers it leaves alone not at all."""
     shapes: dict[tuple[int, int], int] = {}
+
+    def add(out: int, inp: int) -> None:
+        shapes[(out, inp)] = shapes.get((out, inp), 0) + 1
+
+    fused = set()
     for module in drafter.modules():
-        if _packs(module):
-            shapes[(module.out_features, module.in_features)] = shapes.get((module.out_features, module.in_features), 0) + 1
+        if isinstance(module, ContextAttention):
+            q, k, v = module.q_proj, module.k_proj, module.v_proj
+            add(q.out_features + k.out_features + v.out_features, q.in_features)
+            add(k.out_features + v.out_features, k.in_features)
+            fused |= {id(q), id(k), id(v)}
+        elif _is_gated_mlp(module):
+            add(2 * module.gate_proj.out_features, module.gate_proj.in_features)
+            fused |= {id(module.gate_proj), id(module.up_proj)}
+    for module in drafter.modules():
+        if _packs(module) and id(module) not in fused:
+            add(module.out_features, module.in_features)
     return shapes
 
 
@@ -129,9 +195,20 @@ def fast_drafter(drafter: nn.Module, kernel: str = "auto") -> nn.Module:
     shared = {id(tensor): tensor for tensor in itertools.chain(drafter.parameters(), drafter.buffers())}
     twin = copy.deepcopy(drafter, shared)
     twin.kernel_plan = plan
+    replaced = set()  # modules swapped out below: their own children are not the twin's any more
     for parent in list(twin.modules()):
+        if id(parent) in replaced:
+            continue
+        if isinstance(parent, ContextAttention):
+            FusedContextAttention.adopt(parent, plan)
+        fused = ("q_proj", "k_proj", "v_proj") if isinstance(parent, FusedContextAttention) else ()
         for name, child in list(parent.named_children()):
-            if _packs(child):
+            if name in fused:
+                continue  # computed by the fused matmuls; kept as they are (shared with the reference)
+            if _is_gated_mlp(child):
+                setattr(parent, name, FusedGatedMLP(child, plan))
+                replaced.add(id(child))
+            elif _packs(child):
                 setattr(parent, name, PackedLinearModule(child, plan))
             elif _is_rms_norm(child):
                 setattr(parent, name, FusedRMSNorm(child))

@@ -65,7 +65,7 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _fused(linears: list[torch.nn.Linear], plan: KernelPlan) -> PackedLinear:
+def fused_linear(linears: list[torch.nn.Linear], plan: KernelPlan) -> PackedLinear:
     """One PackedLinear computing several Linear layers on the same input, outputs concatenated."""
     weight = torch.cat([linear.weight for linear in linears], dim=0)
     biases = [linear.bias for linear in linears]
@@ -98,9 +98,9 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = (layer.input_layernorm.weight.detach(), norm_eps(layer.input_layernorm))
         self.post_norm = (layer.post_attention_layernorm.weight.detach(), norm_eps(layer.post_attention_layernorm))
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], plan)
+        self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj], plan)
         self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, plan)
-        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], plan)
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj], plan)
         self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, plan)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.intermediate = mlp.gate_proj.out_features

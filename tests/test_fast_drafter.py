@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdraft.decode.batch_draft import propose_blocks
-from specdraft.decode.fast_drafter import MIN_PACKED_OUTPUTS, PackedLinearModule, drafter_for_backend, fast_drafter
+from specdraft.decode.fast_drafter import (MIN_PACKED_OUTPUTS, FusedContextAttention, FusedGatedMLP, PackedLinearModule,
+                                          _linear_shapes, drafter_for_backend, fast_drafter)
 from specdraft.decode.generate import GenerateConfig, speculative_generate
 from specdraft.decode.linear_kernels import candidates
 from specdraft.decode.proposer import BlockDrafterProposer, Eagle3Proposer
@@ -33,9 +34,20 @@ def test_the_twin_shares_every_tensor_and_packs_only_linears():
     twin = fast_drafter(drafter)
     mine = {id(t) for t in drafter.parameters()} | {id(t) for t in drafter.buffers()}
     assert {id(t) for t in twin.parameters()} | {id(t) for t in twin.buffers()} <= mine
+    # Per draft layer, q/k/v run as one matmul (and the context's k/v as another) and gate/up as one: what is
+    # packed on its own is every other wide Linear (the fusion projection, o, down, the LM head, Markov W2).
+    layers = len(drafter.layers)
+    assert sum(isinstance(m, FusedContextAttention) for m in twin.modules()) == layers
+    assert sum(isinstance(m, FusedGatedMLP) for m in twin.modules()) == layers
     packed = [m for m in twin.modules() if isinstance(m, PackedLinearModule)]
     wide = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m.out_features >= MIN_PACKED_OUTPUTS]
-    assert len(packed) == len(wide) and packed
+    assert len(packed) == len(wide) - 5 * layers and packed
+    assert sum(_linear_shapes(drafter).values()) == len(packed) + 3 * layers  # the plan is measured on these
+    hidden, block = torch.randn(1, 4, 32), torch.randn(1, 4, 32)
+    for mine_layer, twin_layer in zip(drafter.layers, twin.layers):
+        torch.testing.assert_close(twin_layer.mlp(hidden), mine_layer.mlp(hidden), atol=1e-5, rtol=1e-5)
+        for got, want in zip(twin_layer.self_attn.project_qkv(block), mine_layer.self_attn.project_qkv(block)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # The confidence head's one output stays on F.linear (a packed call costs more than its arithmetic).
     assert type(twin.confidence_head.proj) is torch.nn.Linear and twin.confidence_head.proj.weight is drafter.confidence_head.proj.weight
     features = torch.randn(5, 2 * 32)

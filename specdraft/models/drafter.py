@@ -98,20 +98,35 @@ class ContextAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def project_kv(self, x: torch.Tensor):
+        """The key and value projections of x (the fast twin computes both in one matmul)."""
+        # x (B, S, H) -> k, v (B, S, kv_heads * D) each
+        return self.k_proj(x), self.v_proj(x)
+
+    def project_qkv(self, x: torch.Tensor):
+        """The query, key and value projections of x (the fast twin computes all three in one matmul)."""
+        # x (B, S, H) -> q (B, S, heads * D), k, v (B, S, kv_heads * D)
+        return self.q_proj(x), *self.project_kv(x)
+
+    def _rotated_keys_values(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # k, v (B, S, kv_heads * D) -> (B, kv_heads, S, D) each, keys normalised per head and rotated
+        batch, length, _ = k.shape
+        k = self.k_norm(k.view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rotary(k, cos, sin), v
+
     def context_keys_values(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys (rotated) and values of context features; cacheable, they never change."""
         # context (B, C, H) -> k, v (B, kv_heads, C, D)
-        batch, length, _ = context.shape
-        k = self.k_norm(self.k_proj(context).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(context).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        return _apply_rotary(k, cos, sin), v
+        return self._rotated_keys_values(*self.project_kv(context), cos, sin)
 
     def forward(self, hidden, context_kv, cos, sin, mask):
         """Block states attend to [context keys; block keys]; mask (S, C+S) bool or None (all visible)."""
         # hidden (B, S, H); context_kv: (B, kv_heads, C, D) twice; cos/sin (S, D)
         batch, length, _ = hidden.shape
-        q = self.q_norm(self.q_proj(hidden).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        block_k, block_v = self.context_keys_values(hidden, cos, sin)
+        q, k, v = self.project_qkv(hidden)
+        q = self.q_norm(q.view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
+        block_k, block_v = self._rotated_keys_values(k, v, cos, sin)
         q = _apply_rotary(q, cos, sin)
         k = torch.cat([context_kv[0], block_k], dim=2)  # (B, kv_heads, C+S, D)
         v = torch.cat([context_kv[1], block_v], dim=2)
