@@ -96,9 +96,9 @@ class FusedContextAttention(ContextAttention):
     """A block drafter's attention with its query, key and value projections computed as one matmul, and the
     context features' keys and values as another (the function is the reference's: the same weights, the
     outputs split where they were concatenated). Why: right after a target step every linear call of the
-    drafter starts with cold caches, and on a 2-core AMX Xeon a cold bf16 call took about 0.25 ms before its
-    weights mattered (a 16 x 16 one: 0.26 ms cold, 0.03 ms warm), so a drafter step paid for its number of
-    calls more than for its weights; fused, the backbone runs 5 of them instead of 8."""
+    drafter starts with cold caches (on a 2-core AMX Xeon a 16 x 16 bf16 call took 0.26 ms cold, 0.03 ms
+    warm); fused, a draft layer runs 5 calls instead of 8, which saved 0.15 ms of a 4.9 ms drafter step there
+    (docs/results/2026-12-06-xeon-amx-export.md)."""
 
     @classmethod
     def adopt(cls, attn: ContextAttention, plan: KernelPlan) -> "FusedContextAttention":
@@ -177,9 +177,11 @@ def _linear_shapes(drafter: nn.Module) -> dict[tuple[int, int], int]:
             add(q.out_features + k.out_features + v.out_features, q.in_features)
             add(k.out_features + v.out_features, k.in_features)
             fused |= {id(q), id(k), id(v)}
-        elif _is_gated_mlp(module):
-            add(2 * module.gate_proj.out_features, module.gate_proj.in_features)
-            fused |= {id(module.gate_proj), id(module.up_proj)}
+        elif _is_gated_mlp(module):  # FusedGatedMLP: gate/up as one matmul, down packed whatever its width
+            gate, down = module.gate_proj, module.down_proj
+            add(2 * gate.out_features, gate.in_features)
+            add(down.out_features, down.in_features)
+            fused |= {id(gate), id(module.up_proj), id(down)}
     for module in drafter.modules():
         if _packs(module) and id(module) not in fused:
             add(module.out_features, module.in_features)
