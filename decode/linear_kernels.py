@@ -13,6 +13,10 @@ library build, and the difference is most of a decode step. Measured on the embe
   from 4 rows oneDNN was faster again.
 - 2-core Intel Xeon with AMX: MKL's sgemm over weights packed for exactly the row count (`sgemm_pack`,
   through torch's `_mkl_linear`) beat oneDNN by 10-15% at 4 and 8 rows; at 2 rows `F.linear` itself won.
+- 2-core Intel Xeon with AMX (model 167): every library kernel read the weights 1.5-2x slower at 4-8 rows than at
+  one; the native kernel (decode/smallm_linear.c, built on first use where the CPU has AVX-512) reads them once
+  in their own layout at any width up to 16 and kept the whole forward within 1.1x of a one-row step at 4 rows
+  (docs/results/2026-12-07-native-kernel.md).
 So the twin times each candidate on the model's own shapes once per machine (seconds; the decision is cached
 under the specdraft cache, so later runs are deterministic and start at once) and keeps, for each verify
 width it measures (ROWS), the kernel that was fastest there, as long as the layouts of the weights
@@ -43,6 +47,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specdraft.decode import native_linear
 from specdraft.io.files import write_text_atomically
 
 ROWS = (1, 2, 3, 4, 6, 8)  # a plain step, and the verify widths the schedulers use most (5 runs as 6, 7 as 8)
@@ -133,6 +138,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     # F.linear on the weight as it is: what the HF model runs; the kernel where no other one does.
     Kernel("torch", lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda dtype, device: None),
     *(_mkl_packed(rows) for rows in (2, 4, 8)),  # one row: `mkl` (measured as fast as one packed for it)
+    # decode/smallm_linear.c: reads the weight once in its own layout at 1-16 rows (F.linear beyond)
+    Kernel("native", lambda w: w.contiguous(), native_linear.linear, native_linear.unavailable_reason),
 )}
 KERNEL_CHOICES = ("auto", *KERNELS)
 

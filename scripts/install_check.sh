@@ -20,6 +20,7 @@ BIN="$WORK/venv/bin"
 "$BIN/specdraft-bench" --help >/dev/null
 "$BIN/specdraft-serve" --help >/dev/null
 "$BIN/python" -c "import specdraft.pipeline, specdraft.decode.bench; print('specdraft', specdraft.__version__, specdraft.__file__)"
+"$BIN/python" -c "from specdraft.decode import native_linear as n; assert n.SOURCE.is_file(), n.SOURCE"  # the native kernel's source ships
 for name in train decode; do
   if "$BIN/python" -c "import $name" 2>/dev/null; then echo "install check: '$name' is importable as a top-level name" >&2; exit 1; fi
 done

@@ -1,0 +1,128 @@
+"""The native small-row linear kernel (decode/smallm_linear.c): built once per machine, loaded with ctypes.
+
+y = x @ W.T + b in float32 for the 1-16 rows of a decode or verify step, reading W once in its own (out, in)
+layout, so it holds no second copy of the weights. MKL and oneDNN are built for large matrices; at 4-8 rows they
+read a layer's weights 1.5-2x slower than at one on the AMX Xeons measured, and a verify step is bandwidth-bound
+(docs/results/2026-12-07-native-kernel.md). The auto kernel plan (decode/linear_kernels.py) times this kernel
+beside the library ones and uses it where it is fastest.
+
+It is compiled with the machine's C compiler (`CC`, else `cc`/`gcc`) and `-march=native`, on first use, into the
+specdraft cache (keyed by the source, the compiler, the CPU and torch's OpenMP runtime; written atomically), and
+linked against the OpenMP runtime torch ships, so its parallel region runs on torch's own threads. Where it cannot
+run (no AVX-512, no compiler, another OpenMP runtime), `unavailable_reason` says why and the plan leaves it out.
+`SPECDRAFT_NATIVE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("smallm_linear.c")
+MAX_ROWS = 16  # wider inputs (prefill, wide batches) go to F.linear, which is built for them
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _torch_gomp() -> Path | None:
+    """torch's own GNU OpenMP runtime, which the kernel must share (a second runtime's threads would spin
+    against torch's on the same cores)."""
+    found = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native builds for them: a cached build is this CPU's only)."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str, gomp: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        command = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", str(built),
+                   f"-Wl,-rpath,{gomp.parent}", str(gomp)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-400:]}")
+        os.replace(built, out)  # atomic: a concurrent process sees the old file or the whole new one
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None), or (None, why it cannot run here)."""
+    if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
+        return None, "turned off by SPECDRAFT_NATIVE=0"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None, f"the native kernel needs AVX-512 (torch detects {torch.backends.cpu.get_cpu_capability()} here)"
+    if torch.__config__.parallel_info().find("ATen parallel backend: OpenMP") < 0:
+        return None, "torch here does not run its threads on OpenMP, which the native kernel shares"
+    if not SOURCE.is_file():
+        return None, f"the native kernel's source {SOURCE} is missing from this installation"
+    compiler, gomp = _compiler(), _torch_gomp()
+    if compiler is None:
+        return None, "no C compiler (set CC, or install gcc) to build the native kernel"
+    if gomp is None:
+        return None, "torch here ships no libgomp for the native kernel to share threads with"
+    from specdraft.io.hardware import cpu_model
+    from specdraft.io.target import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = "\n".join([SOURCE.read_text(), version, cpu_model(), _cpu_flags(), str(gomp)])
+    path = Path(os.environ.get("SPECDRAFT_KERNEL_DIR") or cache_root() / "kernels") / \
+        f"smallm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    try:
+        if not path.is_file():
+            _build(compiler, gomp, path)
+        library = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as error:
+        return None, f"the native kernel did not build or load: {error}"
+    library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    library.smallm_linear.restype = None
+    runtimes = _mapped_gomp()
+    if len(runtimes) > 1:
+        return None, f"two OpenMP runtimes are loaded ({', '.join(sorted(runtimes))}): the kernel's threads would not be torch's"
+    return library, None
+
+
+def _mapped_gomp() -> set[str]:
+    """The GNU OpenMP runtime files mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
+
+
+def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the native kernel cannot compute a linear layer of `dtype` on `device` here, or None."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return "the native kernel computes float32 on the CPU only"
+    return _load()[1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) @ weight (out, in).T + bias -> (M, out); weight contiguous float32. Over MAX_ROWS rows: F.linear."""
+    rows = x.shape[0]
+    if rows > MAX_ROWS or rows == 0:
+        return F.linear(x, weight, bias)
+    library = _load()[0]
+    x = x.contiguous()
+    out = x.new_empty(rows, weight.shape[0])
+    library.smallm_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                          rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return out

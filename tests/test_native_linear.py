@@ -1,0 +1,82 @@
+"""The native small-row kernel (decode/smallm_linear.c): the same linear layer as F.linear at every row count and
+shape (its tails included), on torch's own threads, and a clear reason wherever it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdraft.decode import native_linear
+from specdraft.decode.linear_kernels import candidates
+
+CPU = torch.device("cpu")
+REASON = native_linear.unavailable_reason(torch.float32, CPU)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A build of its own in tmp_path: the cached library is forgotten before and after."""
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(tmp_path))
+    native_linear._load.cache_clear()
+    yield tmp_path
+    native_linear._load.cache_clear()
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
+@pytest.mark.parametrize("shape", [(1536, 576), (37, 19), (5, 33), (8, 16)])  # (out, in): tails of 4 rows, 16 floats
+def test_the_native_kernel_computes_the_linear_layer_at_every_row_count(shape):
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    for rows in range(1, 19):  # 1-8 in one pass, 9-16 in groups of 8, 17+ through F.linear
+        x = torch.randn(rows, in_features)
+        for b in (None, bias):
+            torch.testing.assert_close(native_linear.linear(x, weight, b), F.linear(x, weight, b),
+                                       atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
+def test_the_native_kernel_reads_a_non_contiguous_input_and_follows_torchs_thread_count():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 48)
+    x = torch.randn(48, 6).t()  # (6, 48), not contiguous
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(native_linear.linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert len(native_linear._mapped_gomp()) == 1  # torch's OpenMP runtime only: one thread pool
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
+def test_the_build_is_cached_by_machine_and_reused(fresh_build):
+    assert native_linear.unavailable_reason(torch.float32, CPU) is None
+    built = list(fresh_build.glob("smallm-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native_linear._load.cache_clear()
+    assert native_linear.unavailable_reason(torch.float32, CPU) is None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not built again
+
+
+def test_other_dtypes_and_devices_are_refused_with_the_reason():
+    assert "float32 on the CPU only" in native_linear.unavailable_reason(torch.bfloat16, CPU)
+    assert "native" not in candidates(torch.bfloat16, CPU)
+
+
+def test_it_can_be_turned_off_and_the_plan_leaves_it_out(fresh_build, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_NATIVE", "0")
+    assert native_linear.unavailable_reason(torch.float32, CPU) == "turned off by SPECDRAFT_NATIVE=0"
+    assert "native" not in candidates(torch.float32, CPU)
+
+
+def test_a_failed_build_names_the_compiler_error_and_leaves_nothing_behind(fresh_build, monkeypatch):
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or native_linear._torch_gomp() is None:
+        pytest.skip("the build is only tried on AVX-512 machines whose torch ships libgomp")
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    reason = native_linear.unavailable_reason(torch.float32, CPU)
+    assert reason.startswith("the native kernel did not build or load: false -O3")
+    assert list(fresh_build.iterdir()) == []  # no partial library for a later run to load
