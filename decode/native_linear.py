@@ -62,29 +62,46 @@ def _build(compiler: str, gomp: Path, out: Path) -> None:
         os.replace(built, out)  # atomic: a concurrent process sees the old file or the whole new one
 
 
-@lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(library, None), or (None, why it cannot run here)."""
+def _missing_prerequisite() -> str | None:
+    """Why the kernel cannot be built here before trying, or None."""
     if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
-        return None, "turned off by SPECDRAFT_NATIVE=0"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None, f"the native kernel needs AVX-512 (torch detects {torch.backends.cpu.get_cpu_capability()} here)"
+        return "turned off by SPECDRAFT_NATIVE=0"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return f"the native kernel needs AVX-512 (torch detects {capability} here)"
     if torch.__config__.parallel_info().find("ATen parallel backend: OpenMP") < 0:
-        return None, "torch here does not run its threads on OpenMP, which the native kernel shares"
+        return "torch here does not run its threads on OpenMP, which the native kernel shares"
     if not SOURCE.is_file():
-        return None, f"the native kernel's source {SOURCE} is missing from this installation"
-    compiler, gomp = _compiler(), _torch_gomp()
-    if compiler is None:
-        return None, "no C compiler (set CC, or install gcc) to build the native kernel"
-    if gomp is None:
-        return None, "torch here ships no libgomp for the native kernel to share threads with"
+        return f"the native kernel's source {SOURCE} is missing from this installation"
+    if _compiler() is None:
+        return "no C compiler (set CC, or install gcc) to build the native kernel"
+    if _torch_gomp() is None:
+        return "torch here ships no libgomp for the native kernel to share threads with"
+    return None
+
+
+def _library_path(compiler: str, gomp: Path) -> Path:
+    """Where this machine's build lives: keyed by the source, the compiler, the CPU and torch's runtime."""
     from specdraft.io.hardware import cpu_model
     from specdraft.io.target import cache_root
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     key = "\n".join([SOURCE.read_text(), version, cpu_model(), _cpu_flags(), str(gomp)])
-    path = Path(os.environ.get("SPECDRAFT_KERNEL_DIR") or cache_root() / "kernels") / \
-        f"smallm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    folder = Path(os.environ.get("SPECDRAFT_KERNEL_DIR") or cache_root() / "kernels")
+    return folder / f"smallm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None), or (None, why it cannot run here)."""
+    reason = _missing_prerequisite()
+    if reason is not None:
+        return None, reason
+    compiler, gomp = _compiler(), _torch_gomp()
+    try:
+        path = _library_path(compiler, gomp)
+    except OSError as error:
+        return None, f"the C compiler {compiler!r} does not run ({error}): set CC to a working one"
     try:
         if not path.is_file():
             _build(compiler, gomp, path)

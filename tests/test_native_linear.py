@@ -80,3 +80,11 @@ def test_a_failed_build_names_the_compiler_error_and_leaves_nothing_behind(fresh
     reason = native_linear.unavailable_reason(torch.float32, CPU)
     assert reason.startswith("the native kernel did not build or load: false -O3")
     assert list(fresh_build.iterdir()) == []  # no partial library for a later run to load
+
+
+def test_a_compiler_that_does_not_exist_is_named(fresh_build, monkeypatch):
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or native_linear._torch_gomp() is None:
+        pytest.skip("the build is only tried on AVX-512 machines whose torch ships libgomp")
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-cc"))
+    assert "does not run" in native_linear.unavailable_reason(torch.float32, CPU)
+    assert "native" not in candidates(torch.float32, CPU)
