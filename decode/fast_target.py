@@ -5,7 +5,7 @@ Why it is faster than calling the HF model (measured on 2-core EPYCs, fp32, docs
 - Linear layers run on the kernel this machine computes fastest at each of the engine's row counts, chosen
   by measurement once per machine (decode/linear_kernels.py): oneDNN with weights reordered once into its
   blocked layout, MKL's sgemm over a pre-transposed weight or over one packed for the row count, F.linear,
-  or the native small-row kernel (decode/native_linear.py) where the CPU has AVX-512.
+  or the native small-row kernel (decode/native_linear.py) where the CPU has AVX-512 or AVX2.
   MKL through `F.linear` alone (what the HF model calls) picks poor kernels at 3-16 rows on every CPU
   measured.
 - QKV and gate/up are one matmul each (their weights concatenated), so each layer reads its input once

@@ -14,7 +14,7 @@ library build, and the difference is most of a decode step. Measured on the embe
 - 2-core Intel Xeon with AMX: MKL's sgemm over weights packed for exactly the row count (`sgemm_pack`,
   through torch's `_mkl_linear`) beat oneDNN by 10-15% at 4 and 8 rows; at 2 rows `F.linear` itself won.
 - 2-core Intel Xeon with AMX (model 167): every library kernel read the weights 1.5-2x slower at 4-8 rows than at
-  one; the native kernel (decode/smallm_linear.c, built on first use where the CPU has AVX-512) reads them once
+  one; the native kernel (decode/smallm_linear.c, built on first use where the CPU has AVX-512 or AVX2) reads them once
   in their own layout at any width up to 16 and kept the whole forward within 1.1x of a one-row step at 4 rows
   (docs/results/2026-12-07-native-kernel.md).
 So the twin times each candidate on the model's own shapes once per machine (seconds; the decision is cached

@@ -8,9 +8,9 @@ beside the library ones and uses it where it is fastest.
 
 It is compiled with the machine's C compiler (`CC`, else `cc`/`gcc`) and `-march=native`, on first use, into the
 specdraft cache (keyed by the source, the compiler, the CPU and torch's OpenMP runtime; written atomically), and
-linked against the OpenMP runtime torch ships, so its parallel region runs on torch's own threads. Where it cannot
-run (no AVX-512, no compiler, another OpenMP runtime), `unavailable_reason` says why and the plan leaves it out.
-`SPECDRAFT_NATIVE=0` turns it off.
+linked against the OpenMP runtime torch ships, so its parallel region runs on torch's own threads. It uses AVX-512
+where the CPU has it, else AVX2 with FMA. Where it cannot run (neither of them, no compiler, another OpenMP
+runtime), `unavailable_reason` says why and the plan leaves it out. `SPECDRAFT_NATIVE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(compiler: str, gomp: Path, out: Path) -> None:
+def _build(compiler: str, gomp: Path, out: Path, flags: tuple[str, ...] = ()) -> None:
+    """Compile the kernel for this CPU into `out`; `flags` are added to the compiler's (a test builds the AVX2
+    variant on an AVX-512 machine with -mno-avx512f)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        command = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", str(built),
-                   f"-Wl,-rpath,{gomp.parent}", str(gomp)]
+        command = [compiler, "-O3", "-march=native", *flags, "-fopenmp", "-fPIC", "-shared", str(SOURCE),
+                   "-o", str(built), f"-Wl,-rpath,{gomp.parent}", str(gomp)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-400:]}")
@@ -67,8 +69,8 @@ def _missing_prerequisite() -> str | None:
     if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
         return "turned off by SPECDRAFT_NATIVE=0"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        return f"the native kernel needs AVX-512 (torch detects {capability} here)"
+    if capability not in ("AVX512", "AVX2"):
+        return f"the native kernel needs AVX-512 or AVX2 (torch detects {capability} here)"
     if torch.__config__.parallel_info().find("ATen parallel backend: OpenMP") < 0:
         return "torch here does not run its threads on OpenMP, which the native kernel shares"
     if not SOURCE.is_file():
@@ -105,15 +107,21 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         if not path.is_file():
             _build(compiler, gomp, path)
-        library = ctypes.CDLL(str(path))
+        library = _open(path)
     except (RuntimeError, OSError) as error:
         return None, f"the native kernel did not build or load: {error}"
-    library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    library.smallm_linear.restype = None
     runtimes = _mapped_gomp()
     if len(runtimes) > 1:
-        return None, f"two OpenMP runtimes are loaded ({', '.join(sorted(runtimes))}): the kernel's threads would not be torch's"
+        return None, (f"two OpenMP runtimes are loaded ({', '.join(sorted(runtimes))}): "
+                      "the kernel's threads would not be torch's")
     return library, None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    library.smallm_linear.restype = None
+    return library
 
 
 def _mapped_gomp() -> set[str]:
@@ -137,7 +145,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows = x.shape[0]
     if rows > MAX_ROWS or rows == 0:
         return F.linear(x, weight, bias)
-    library = _load()[0]
+    return _call(_load()[0], x, weight, bias)
+
+
+def _call(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
     x = x.contiguous()
     out = x.new_empty(rows, weight.shape[0])
     library.smallm_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),

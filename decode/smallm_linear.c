@@ -3,8 +3,9 @@
 Why it exists: a verify step is bandwidth-bound (every weight is read once whatever M is), but MKL's sgemm and
 oneDNN read the weights 1.5-2x slower at 4-8 rows than at one on the AMX Xeons measured
 (docs/results/2026-12-07-native-kernel.md): they are built for large M. Here each thread streams a contiguous band
-of W's rows exactly once; RB rows of W are loaded per 16-float step and multiplied with every row of x (which
-stays in L1), and a software prefetch keeps the memory requests ahead of the arithmetic.
+of W's rows exactly once; RB rows of W are loaded per vector step (16 floats in AVX-512, 8 in AVX2) and multiplied
+with every row of x (which stays in L1), and a software prefetch keeps the memory requests ahead of the arithmetic.
+AVX-512 where the CPU has it, else AVX2 with FMA.
 
 Built by decode/native_linear.py with -march=native and linked against the OpenMP runtime torch itself loaded, so
 the parallel region runs on torch's threads (torch.set_num_threads applies) instead of a second pool. */
@@ -12,52 +13,81 @@ the parallel region runs on torch's threads (torch.set_num_threads applies) inst
 #include <immintrin.h>
 #include <omp.h>
 
-#ifndef __AVX512F__
-#error "smallm_linear needs AVX-512F"
+/* One vector of W's floats and what is done with it, in AVX-512 (32 registers of 16 floats) or, on CPUs without
+   it, AVX2 with FMA (16 registers of 8 floats: AMD before Zen 4, Intel client CPUs). */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vfma _mm512_fmadd_ps
+#define vsum _mm512_reduce_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+#define LANES 8
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vfma _mm256_fmadd_ps
+static inline float vsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#error "smallm_linear needs AVX-512F, or AVX2 with FMA"
 #endif
 
-#define PREFETCH_FLOATS 256 /* 1 KiB ahead of each row being read; measured best of 64/256/512/1024 */
+#ifndef PREFETCH_FLOATS /* -DPREFETCH_FLOATS=N to measure another distance */
+#define PREFETCH_FLOATS 256 /* 1 KiB ahead of each row being read; measured best of 64/256/512/1024 on the Xeon */
+#endif
 
-/* Rows n0..n1 of y for MC rows of x, RB rows of W at a time: RB * MC accumulators stay in registers
-   (AVX-512 has 32), so each loaded vector of W is used MC times. */
-#define KERNEL(MC, RB)                                                                                          \
-static void rows_##MC(const float *restrict x, const float *restrict w, const float *restrict b,                \
-                      float *restrict y, int N, int K, int n0, int n1) {                                        \
-    int n = n0;                                                                                                  \
-    for (; n + RB <= n1; n += RB) {                                                                              \
-        __m512 acc[RB][MC];                                                                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                                     \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) acc[r][m] = _mm512_setzero_ps();                \
-        const float *wr = w + (size_t)n * K;                                                                     \
-        int k = 0;                                                                                               \
-        for (; k + 16 <= K; k += 16) {                                                                           \
-            __m512 wv[RB];                                                                                       \
-            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {                                               \
-                _mm_prefetch((const char *)(wr + (size_t)r * K + k + PREFETCH_FLOATS), _MM_HINT_T0);             \
-                wv[r] = _mm512_loadu_ps(wr + (size_t)r * K + k);                                                 \
-            }                                                                                                    \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) {                                               \
-                __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);                                              \
-                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                             \
-                    acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);                                           \
-            }                                                                                                    \
-        }                                                                                                        \
-        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                                     \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) {                                               \
-                float s = _mm512_reduce_add_ps(acc[r][m]);                                                       \
-                for (int kk = k; kk < K; kk++) s += x[(size_t)m * K + kk] * wr[(size_t)r * K + kk];              \
-                y[(size_t)m * N + n + r] = s + (b ? b[n + r] : 0.f);                                             \
-            }                                                                                                    \
-    }                                                                                                            \
-    for (; n < n1; n++) /* the band's last rows when it is not a multiple of RB */                               \
-        for (int m = 0; m < MC; m++) {                                                                           \
-            float s = 0.f;                                                                                       \
-            for (int kk = 0; kk < K; kk++) s += x[(size_t)m * K + kk] * w[(size_t)n * K + kk];                   \
-            y[(size_t)m * N + n] = s + (b ? b[n] : 0.f);                                                         \
-        }                                                                                                        \
+/* Rows n0..n1 of y for MC rows of x, RB rows of W at a time: RB * MC accumulators and the RB loaded vectors of W
+   stay in registers (x's vectors come from L1 as the FMAs' memory operands), so each vector of W read from memory
+   is used MC times. */
+#define KERNEL(MC, RB)                                                                                               \
+static void rows_##MC(const float *restrict x, const float *restrict w, const float *restrict b,                     \
+                      float *restrict y, int N, int K, int n0, int n1) {                                             \
+    int n = n0;                                                                                                      \
+    for (; n + RB <= n1; n += RB) {                                                                                  \
+        vec acc[RB][MC];                                                                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                                         \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) acc[r][m] = vzero();                                \
+        const float *wr = w + (size_t)n * K;                                                                         \
+        int k = 0;                                                                                                   \
+        for (; k + LANES <= K; k += LANES) {                                                                         \
+            vec wv[RB];                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {                                                   \
+                _mm_prefetch((const char *)(wr + (size_t)r * K + k + PREFETCH_FLOATS), _MM_HINT_T0);                 \
+                wv[r] = vload(wr + (size_t)r * K + k);                                                               \
+            }                                                                                                        \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) {                                                   \
+                vec xv = vload(x + (size_t)m * K + k);                                                               \
+                _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                                 \
+                    acc[r][m] = vfma(wv[r], xv, acc[r][m]);                                                          \
+            }                                                                                                        \
+        }                                                                                                            \
+        _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++)                                                         \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) {                                                   \
+                float s = vsum(acc[r][m]);                                                                           \
+                for (int kk = k; kk < K; kk++) s += x[(size_t)m * K + kk] * wr[(size_t)r * K + kk];                  \
+                y[(size_t)m * N + n + r] = s + (b ? b[n + r] : 0.f);                                                 \
+            }                                                                                                        \
+    }                                                                                                                \
+    for (; n < n1; n++) /* the band's last rows when it is not a multiple of RB */                                   \
+        for (int m = 0; m < MC; m++) {                                                                               \
+            float s = 0.f;                                                                                           \
+            for (int kk = 0; kk < K; kk++) s += x[(size_t)m * K + kk] * w[(size_t)n * K + kk];                       \
+            y[(size_t)m * N + n] = s + (b ? b[n] : 0.f);                                                             \
+        }                                                                                                            \
 }
 
+/* RB divides 4 (a thread's band is a multiple of 4 rows, so no row of W falls to the scalar tail loop) and
+   RB * MC + RB fits the register file. */
+#if LANES == 16
 KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 4) KERNEL(5, 4) KERNEL(6, 4) KERNEL(7, 2) KERNEL(8, 2)
+#else
+KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 2) KERNEL(5, 2) KERNEL(6, 2) KERNEL(7, 1) KERNEL(8, 1)
+#endif
 
 typedef void (*rows_fn)(const float *, const float *, const float *, float *, int, int, int, int);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};

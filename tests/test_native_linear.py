@@ -12,6 +12,20 @@ from specdraft.decode.linear_kernels import candidates
 
 CPU = torch.device("cpu")
 REASON = native_linear.unavailable_reason(torch.float32, CPU)
+BUILD_SKIPPED = (None if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2") and native_linear._torch_gomp()
+                 else "the build is only tried on AVX-512 or AVX2 machines whose torch ships libgomp")
+SHAPES = [(1536, 576), (37, 19), (5, 33), (8, 16)]  # (out, in): tails of 4 rows, 16 and 8 floats
+
+
+def assert_computes_the_linear_layer(linear, shape):
+    """linear(x, weight, bias) equals F.linear at 1-18 rows: 1-8 in one pass, 9-16 in groups of 8, 17+ F.linear."""
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    for rows in range(1, 19):
+        x = torch.randn(rows, in_features)
+        for b in (None, bias):
+            torch.testing.assert_close(linear(x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
 
 
 @pytest.fixture
@@ -24,16 +38,20 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
-@pytest.mark.parametrize("shape", [(1536, 576), (37, 19), (5, 33), (8, 16)])  # (out, in): tails of 4 rows, 16 floats
+@pytest.mark.parametrize("shape", SHAPES)
 def test_the_native_kernel_computes_the_linear_layer_at_every_row_count(shape):
-    torch.manual_seed(0)
-    out_features, in_features = shape
-    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
-    for rows in range(1, 19):  # 1-8 in one pass, 9-16 in groups of 8, 17+ through F.linear
-        x = torch.randn(rows, in_features)
-        for b in (None, bias):
-            torch.testing.assert_close(native_linear.linear(x, weight, b), F.linear(x, weight, b),
-                                       atol=1e-4, rtol=1e-5)
+    assert_computes_the_linear_layer(native_linear.linear, shape)
+
+
+def test_the_avx2_variant_computes_the_linear_layer(tmp_path):
+    """The AVX2 code path (CPUs without AVX-512), built here with AVX-512 turned off where the CPU has it."""
+    if BUILD_SKIPPED or REASON is not None:
+        pytest.skip(BUILD_SKIPPED or f"native kernel unavailable here: {REASON}")
+    path = tmp_path / "smallm-avx2.so"
+    native_linear._build(native_linear._compiler(), native_linear._torch_gomp(), path, ("-mno-avx512f",))
+    library = native_linear._open(path)
+    for shape in SHAPES:
+        assert_computes_the_linear_layer(lambda x, w, b: native_linear._call(library, x, w, b), shape)
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
@@ -74,8 +92,8 @@ def test_it_can_be_turned_off_and_the_plan_leaves_it_out(fresh_build, monkeypatc
 
 
 def test_a_failed_build_names_the_compiler_error_and_leaves_nothing_behind(fresh_build, monkeypatch):
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or native_linear._torch_gomp() is None:
-        pytest.skip("the build is only tried on AVX-512 machines whose torch ships libgomp")
+    if BUILD_SKIPPED:
+        pytest.skip(BUILD_SKIPPED)
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     reason = native_linear.unavailable_reason(torch.float32, CPU)
     assert reason.startswith("the native kernel did not build or load: false -O3")
@@ -83,8 +101,8 @@ def test_a_failed_build_names_the_compiler_error_and_leaves_nothing_behind(fresh
 
 
 def test_a_compiler_that_does_not_exist_is_named(fresh_build, monkeypatch):
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or native_linear._torch_gomp() is None:
-        pytest.skip("the build is only tried on AVX-512 machines whose torch ships libgomp")
+    if BUILD_SKIPPED:
+        pytest.skip(BUILD_SKIPPED)
     monkeypatch.setenv("CC", str(fresh_build / "no-such-cc"))
     assert "does not run" in native_linear.unavailable_reason(torch.float32, CPU)
     assert "native" not in candidates(torch.float32, CPU)
