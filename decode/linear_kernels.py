@@ -138,8 +138,13 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     # F.linear on the weight as it is: what the HF model runs; the kernel where no other one does.
     Kernel("torch", lambda w: w, lambda x, w, b: F.linear(x, w, b), lambda dtype, device: None),
     *(_mkl_packed(rows) for rows in (2, 4, 8)),  # one row: `mkl` (measured as fast as one packed for it)
-    # decode/smallm_linear.c: reads the weight once in its own layout at 1-16 rows (F.linear beyond)
+    # decode/smallm_linear.c: reads the weight once in its own layout at 1-16 rows (F.linear beyond), with a
+    # software prefetch 1 KiB ahead (`native`) or leaving the streaming to the hardware prefetcher (`nativehw`):
+    # which is faster differs between CPUs and row counts. Both run on the weight as it is (the plan's layout
+    # budget counts each kernel as a layout: conservative).
     Kernel("native", lambda w: w.contiguous(), native_linear.linear, native_linear.unavailable_reason),
+    Kernel("nativehw", lambda w: w.contiguous(), lambda x, w, b: native_linear.linear(x, w, b, ahead=0),
+           native_linear.unavailable_reason),
 )}
 KERNEL_CHOICES = ("auto", *KERNELS)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("smallm_linear.c")
 MAX_ROWS = 16  # wider inputs (prefill, wide batches) go to F.linear, which is built for them
+PREFETCH_AHEAD = 256  # floats (1 KiB) ahead of each row of W; 0: no software prefetch (see smallm_linear.c)
 
 
 def _compiler() -> str | None:
@@ -119,7 +120,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
-    library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     library.smallm_linear.restype = None
     return library
 
@@ -140,18 +141,21 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     return _load()[1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) @ weight (out, in).T + bias -> (M, out); weight contiguous float32. Over MAX_ROWS rows: F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           ahead: int = PREFETCH_AHEAD) -> torch.Tensor:
+    """x (M, in) @ weight (out, in).T + bias -> (M, out); weight contiguous float32. Over MAX_ROWS rows: F.linear.
+    ahead: floats to prefetch ahead of each row of W, 0 for none."""
     rows = x.shape[0]
     if rows > MAX_ROWS or rows == 0:
         return F.linear(x, weight, bias)
-    return _call(_load()[0], x, weight, bias)
+    return _call(_load()[0], x, weight, bias, ahead)
 
 
-def _call(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _call(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          ahead: int = PREFETCH_AHEAD) -> torch.Tensor:
     rows = x.shape[0]
     x = x.contiguous()
     out = x.new_empty(rows, weight.shape[0])
     library.smallm_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
+                          rows, weight.shape[0], weight.shape[1], torch.get_num_threads(), ahead)
     return out

@@ -37,16 +37,13 @@ static inline float vsum(__m256 v) {
 #error "smallm_linear needs AVX-512F, or AVX2 with FMA"
 #endif
 
-#ifndef PREFETCH_FLOATS /* -DPREFETCH_FLOATS=N to measure another distance */
-#define PREFETCH_FLOATS 256 /* 1 KiB ahead of each row being read; measured best of 64/256/512/1024 on the Xeon */
-#endif
 
 /* Rows n0..n1 of y for MC rows of x, RB rows of W at a time: RB * MC accumulators and the RB loaded vectors of W
    stay in registers (x's vectors come from L1 as the FMAs' memory operands), so each vector of W read from memory
    is used MC times. */
 #define KERNEL(MC, RB)                                                                                               \
 static void rows_##MC(const float *restrict x, const float *restrict w, const float *restrict b,                     \
-                      float *restrict y, int N, int K, int n0, int n1) {                                             \
+                      float *restrict y, int N, int K, int n0, int n1, int ahead) {                                  \
     int n = n0;                                                                                                      \
     for (; n + RB <= n1; n += RB) {                                                                                  \
         vec acc[RB][MC];                                                                                             \
@@ -57,7 +54,7 @@ static void rows_##MC(const float *restrict x, const float *restrict w, const fl
         for (; k + LANES <= K; k += LANES) {                                                                         \
             vec wv[RB];                                                                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < RB; r++) {                                                   \
-                _mm_prefetch((const char *)(wr + (size_t)r * K + k + PREFETCH_FLOATS), _MM_HINT_T0);                 \
+                if (ahead) _mm_prefetch((const char *)(wr + (size_t)r * K + k + ahead), _MM_HINT_T0);                \
                 wv[r] = vload(wr + (size_t)r * K + k);                                                               \
             }                                                                                                        \
             _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) {                                                   \
@@ -89,10 +86,15 @@ KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 4) KERNEL(5, 4) KERNEL(6, 4) KE
 KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 2) KERNEL(5, 2) KERNEL(6, 2) KERNEL(7, 1) KERNEL(8, 1)
 #endif
 
-typedef void (*rows_fn)(const float *, const float *, const float *, float *, int, int, int, int);
+typedef void (*rows_fn)(const float *, const float *, const float *, float *, int, int, int, int, int);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-void smallm_linear(const float *x, const float *w, const float *b, float *y, int M, int N, int K, int threads) {
+/* ahead: how many floats ahead of each row being read to prefetch, 0 for none (leaving the streaming to the
+   hardware prefetcher). Which is faster depends on the CPU and the row count: on the AMX Xeon the software
+   prefetch (256 floats, best of 64-1024) was what made the kernel fast; on the Zen 4 EPYC it slowed 1-4 rows.
+   The kernel plan times both (decode/linear_kernels.py: `native`, `nativehw`). */
+void smallm_linear(const float *x, const float *w, const float *b, float *y, int M, int N, int K, int threads,
+                   int ahead) {
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num();
@@ -104,7 +106,7 @@ void smallm_linear(const float *x, const float *w, const float *b, float *y, int
             int n_end = n + 32 < n1 ? n + 32 : n1;
             for (int m0 = 0; m0 < M; m0 += 8) {
                 int mc = M - m0 < 8 ? M - m0 : 8;
-                ROWS[mc](x + (size_t)m0 * K, w, b, y + (size_t)m0 * N, N, K, n, n_end);
+                ROWS[mc](x + (size_t)m0 * K, w, b, y + (size_t)m0 * N, N, K, n, n_end, ahead);
             }
         }
     }

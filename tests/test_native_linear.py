@@ -39,8 +39,9 @@ def fresh_build(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_native_kernel_computes_the_linear_layer_at_every_row_count(shape):
-    assert_computes_the_linear_layer(native_linear.linear, shape)
+@pytest.mark.parametrize("ahead", [native_linear.PREFETCH_AHEAD, 0])  # `native`, `nativehw`
+def test_the_native_kernel_computes_the_linear_layer_at_every_row_count(shape, ahead):
+    assert_computes_the_linear_layer(lambda x, w, b: native_linear.linear(x, w, b, ahead), shape)
 
 
 def test_the_avx2_variant_computes_the_linear_layer(tmp_path):
