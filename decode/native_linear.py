@@ -30,6 +30,7 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("smallm_linear.c")
 MAX_ROWS = 16  # wider inputs (prefill, wide batches) go to F.linear, which is built for them
 PREFETCH_AHEAD = 256  # floats (1 KiB) ahead of each row of W; 0: no software prefetch (see smallm_linear.c)
+CAPABILITIES = ("AVX512", "AVX2")  # torch's names for the instruction sets smallm_linear.c is written for
 
 
 def _compiler() -> str | None:
@@ -70,7 +71,7 @@ def _missing_prerequisite() -> str | None:
     if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
         return "turned off by SPECDRAFT_NATIVE=0"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AVX2"):
+    if capability not in CAPABILITIES:
         return f"the native kernel needs AVX-512 or AVX2 (torch detects {capability} here)"
     if torch.__config__.parallel_info().find("ATen parallel backend: OpenMP") < 0:
         return "torch here does not run its threads on OpenMP, which the native kernel shares"

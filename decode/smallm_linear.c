@@ -4,8 +4,8 @@ Why it exists: a verify step is bandwidth-bound (every weight is read once whate
 oneDNN read the weights 1.5-2x slower at 4-8 rows than at one on the AMX Xeons measured
 (docs/results/2026-12-07-native-kernel.md): they are built for large M. Here each thread streams a contiguous band
 of W's rows exactly once; RB rows of W are loaded per vector step (16 floats in AVX-512, 8 in AVX2) and multiplied
-with every row of x (which stays in L1), and a software prefetch keeps the memory requests ahead of the arithmetic.
-AVX-512 where the CPU has it, else AVX2 with FMA.
+with every row of x (which stays in L1), and, where the caller asks for it, a software prefetch keeps the memory
+requests ahead of the arithmetic. AVX-512 where the CPU has it, else AVX2 with FMA.
 
 Built by decode/native_linear.py with -march=native and linked against the OpenMP runtime torch itself loaded, so
 the parallel region runs on torch's threads (torch.set_num_threads applies) instead of a second pool. */
