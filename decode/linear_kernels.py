@@ -17,6 +17,9 @@ library build, and the difference is most of a decode step. Measured on the embe
   one; the native kernel (decode/smallm_linear.c, built on first use where the CPU has AVX-512 or AVX2) reads them once
   in their own layout at any width up to 16 and kept the whole forward within 1.1x of a one-row step at 4 rows
   (docs/results/2026-12-07-native-kernel.md).
+- 2-core AMD EPYC (Zen 4): the native kernel over a copy of the weights packed into one sequential stream per
+  thread (`nativepack`) read them about 1.6x faster at 1-4 rows than in their own layout, whose 4 interleaved row
+  streams the hardware prefetcher follows less well (docs/results/2026-12-08-packed-kernel.md).
 So the twin times each candidate on the model's own shapes once per machine (seconds; the decision is cached
 under the specdraft cache, so later runs are deterministic and start at once) and keeps, for each verify
 width it measures (ROWS), the kernel that was fastest there, as long as the layouts of the weights
@@ -65,7 +68,7 @@ class Kernel:
     pack: Callable[[torch.Tensor], torch.Tensor]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.dtype, torch.device], str | None]  # why not here, or None
-    rows: int | None = None  # packed for this many rows: fewer are padded, more fall back to F.linear
+    rows: int | None = None  # built for up to this many rows (mklpack: packed for it, fewer padded, more F.linear)
 
 
 def onednn_ok(dtype: torch.dtype, device: torch.device) -> bool:
@@ -145,6 +148,10 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("native", lambda w: w.contiguous(), native_linear.linear, native_linear.unavailable_reason),
     Kernel("nativehw", lambda w: w.contiguous(), lambda x, w, b: native_linear.linear(x, w, b, ahead=0),
            native_linear.unavailable_reason),
+    # The same kernel over a copy of the weight packed into one sequential stream per thread; a verify-width
+    # kernel (rows=16): it computes any width, but the prefill and wide batches go to a library kernel.
+    Kernel("nativepack", native_linear.pack, native_linear.linear_packed, native_linear.unavailable_reason,
+           rows=native_linear.MAX_ROWS),
 )}
 KERNEL_CHOICES = ("auto", *KERNELS)
 
@@ -424,7 +431,8 @@ class PackedLinear:
         tensors = {}
         for _, packed in [self.one, self.multi, *self.by_rows.values()]:
             for tensor in packed if isinstance(packed, tuple) else (packed,):
-                tensors[id(tensor)] = tensor
+                if isinstance(tensor, torch.Tensor):  # nativepack's layout carries its row count beside it
+                    tensors[id(tensor)] = tensor
         return list(tensors.values())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

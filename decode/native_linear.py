@@ -1,7 +1,9 @@
 """The native small-row linear kernel (decode/smallm_linear.c): built once per machine, loaded with ctypes.
 
 y = x @ W.T + b in float32 for the 1-16 rows of a decode or verify step, reading W once in its own (out, in)
-layout, so it holds no second copy of the weights. MKL and oneDNN are built for large matrices; at 4-8 rows they
+layout, so it holds no second copy of the weights; or (`pack`, `linear_packed`) from a copy packed so that each
+thread reads its share of the weights as one sequential stream, which the hardware prefetcher follows faster
+(docs/results/2026-12-08-packed-kernel.md). MKL and oneDNN are built for large matrices; at 4-8 rows they
 read a layer's weights 1.5-2x slower than at one on the AMX Xeons measured, and a verify step is bandwidth-bound
 (docs/results/2026-12-07-native-kernel.md). The auto kernel plan (decode/linear_kernels.py) times this kernel
 beside the library ones and uses it where it is fastest.
@@ -10,7 +12,7 @@ It is compiled with the machine's C compiler (`CC`, else `cc`/`gcc`) and `-march
 specdraft cache (keyed by the source, the compiler, the CPU and torch's OpenMP runtime; written atomically), and
 linked against the OpenMP runtime torch ships, so its parallel region runs on torch's own threads. It uses AVX-512
 where the CPU has it, else AVX2 with FMA. Where it cannot run (neither of them, no compiler, another OpenMP
-runtime), `unavailable_reason` says why and the plan leaves it out. `SPECDRAFT_NATIVE=0` turns it off.
+runtime bound), `unavailable_reason` says why and the plan leaves it out. `SPECDRAFT_NATIVE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("smallm_linear.c")
 MAX_ROWS = 16  # wider inputs (prefill, wide batches) go to F.linear, which is built for them
 PREFETCH_AHEAD = 256  # floats (1 KiB) ahead of each row of W; 0: no software prefetch (see smallm_linear.c)
+PACK = 4  # rows of W per group in smallm_linear.c's packed layout
 CAPABILITIES = ("AVX512", "AVX2")  # torch's names for the instruction sets smallm_linear.c is written for
 
 
@@ -112,17 +115,31 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         library = _open(path)
     except (RuntimeError, OSError) as error:
         return None, f"the native kernel did not build or load: {error}"
-    runtimes = _mapped_gomp()
-    if len(runtimes) > 1:
-        return None, (f"two OpenMP runtimes are loaded ({', '.join(sorted(runtimes))}): "
-                      "the kernel's threads would not be torch's")
+    if not _runs_on(library, gomp):
+        return None, (f"the native kernel's OpenMP calls do not resolve to torch's runtime {gomp} "
+                      f"(OpenMP runtimes mapped: {', '.join(sorted(_mapped_gomp()))}): its threads would not be torch's")
     return library, None
+
+
+def _runs_on(library: ctypes.CDLL, gomp: Path) -> bool:
+    """Whether the library's OpenMP calls go to the runtime `gomp` (torch's). Other runtimes may be mapped beside
+    it (a wheel's vendored, renamed libgomp, e.g. sentencepiece's) without mattering: only this binding does."""
+    try:
+        ours = library.smallm_openmp()
+        torchs = ctypes.cast(ctypes.CDLL(str(gomp)).omp_get_num_threads, ctypes.c_void_p).value
+    except (AttributeError, OSError):
+        return False
+    return ours is not None and ours == torchs
 
 
 def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     library.smallm_linear.restype = None
+    library.smallm_linear_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    library.smallm_linear_packed.restype = None
+    library.smallm_lanes.restype = ctypes.c_int
+    library.smallm_openmp.restype = ctypes.c_void_p
     return library
 
 
@@ -159,4 +176,31 @@ def _call(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: tor
     out = x.new_empty(rows, weight.shape[0])
     library.smallm_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                           rows, weight.shape[0], weight.shape[1], torch.get_num_threads(), ahead)
+    return out
+
+
+def pack(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, int]:
+    """weight (out, in) float32 in smallm_linear_packed's layout, with `out` (the padding rows are never written):
+    groups of PACK rows, each stored one vector of the kernel's LANES floats per row after another,
+    (ceil(out/PACK), ceil(in/LANES), PACK, LANES), zero-padded to whole groups and vectors."""
+    lanes = (library or _load()[0]).smallm_lanes()
+    out, inp = weight.shape
+    groups, vectors = -(-out // PACK), -(-inp // lanes)
+    padded = weight.new_zeros(groups * PACK, vectors * lanes)
+    padded[:out, :inp] = weight
+    # (groups * PACK, vectors * lanes) -> (groups, PACK, vectors, lanes) -> (groups, vectors, PACK, lanes)
+    return padded.view(groups, PACK, vectors, lanes).transpose(1, 2).contiguous(), out
+
+
+def linear_packed(x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None,
+                  library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x (M, in) @ W.T + bias -> (M, out) from `pack(W)`, at any M (built for a few rows: the plan runs it up to
+    MAX_ROWS, decode/linear_kernels.py)."""
+    weights, out_features = packed
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    if x.shape[0]:
+        (library or _load()[0]).smallm_linear_packed(
+            x.data_ptr(), weights.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return out

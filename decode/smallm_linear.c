@@ -7,6 +7,10 @@ of W's rows exactly once; RB rows of W are loaded per vector step (16 floats in 
 with every row of x (which stays in L1), and, where the caller asks for it, a software prefetch keeps the memory
 requests ahead of the arithmetic. AVX-512 where the CPU has it, else AVX2 with FMA.
 
+A second entry, smallm_linear_packed, reads W prepacked so that each thread's band is one sequential stream (the
+packed layout below): on the Zen 4 EPYC measured, the band in W's own layout (RB interleaved row streams) read
+24-27 GB/s at 1-2 rows, the same band packed 45 GB/s (docs/results/2026-12-08-packed-kernel.md).
+
 Built by decode/native_linear.py with -march=native and linked against the OpenMP runtime torch itself loaded, so
 the parallel region runs on torch's threads (torch.set_num_threads applies) instead of a second pool. */
 #include <stddef.h>
@@ -86,6 +90,9 @@ KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 4) KERNEL(5, 4) KERNEL(6, 4) KE
 KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 2) KERNEL(5, 2) KERNEL(6, 2) KERNEL(7, 1) KERNEL(8, 1)
 #endif
 
+/* The OpenMP runtime this library's parallel regions call into: decode/native_linear.py checks that it is torch's. */
+void *smallm_openmp(void) { return (void *)omp_get_num_threads; }
+
 typedef void (*rows_fn)(const float *, const float *, const float *, float *, int, int, int, int, int);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
@@ -107,6 +114,91 @@ void smallm_linear(const float *x, const float *w, const float *b, float *y, int
             for (int m0 = 0; m0 < M; m0 += 8) {
                 int mc = M - m0 < 8 ? M - m0 : 8;
                 ROWS[mc](x + (size_t)m0 * K, w, b, y + (size_t)m0 * N, N, K, n, n_end, ahead);
+            }
+        }
+    }
+}
+
+
+/* The packed layout: W's rows in groups of PACK, each group stored one vector of LANES floats of each of its rows
+   after another, k-step by k-step: [ceil(N/PACK)][ceil(K/LANES)][PACK][LANES], zero-padded to whole groups and
+   vectors (decode/native_linear.py: pack). A group's PACK vectors of a k-step are then adjacent, and a thread's band
+   of groups is one contiguous stream, which the hardware prefetcher follows at full speed. */
+#define PACK 4
+#if LANES == 16
+#define PACKED_MC 6 /* PACK * MC accumulators + PACK vectors of W + one of x fit 32 registers */
+#else
+#define PACKED_MC 3 /* 16 registers: x's vector comes from L1 as the FMAs' memory operand */
+#endif
+
+int smallm_lanes(void) { return LANES; }
+
+/* One k-step of a group: its PACK vectors of W at q, times each row's vector of x at X(m). */
+#define PACKED_STEP(MC, X)                                                                                           \
+    do {                                                                                                             \
+        vec wv[PACK];                                                                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < PACK; r++) wv[r] = vload(q + r * LANES);                         \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) {                                                       \
+            vec xv = vload(X);                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < PACK; r++) acc[r][m] = vfma(wv[r], xv, acc[r][m]);           \
+        }                                                                                                            \
+        q += PACK * LANES;                                                                                           \
+    } while (0)
+
+#define PACKED_KERNEL(MC)                                                                                            \
+static void packed_##MC(const float *restrict x, const float *restrict p, const float *restrict b,                   \
+                        float *restrict y, int N, int K, int g0, int g1) {                                           \
+    int full = K / LANES, kv = (K + LANES - 1) / LANES; /* whole vectors of x; vectors per row of p */              \
+    float tail[MC][LANES]; /* x's last partial vector, zero-padded (p's padding is zero too) */                      \
+    for (int m = 0; m < MC; m++)                                                                                     \
+        for (int l = 0; l < LANES; l++)                                                                              \
+            tail[m][l] = full * LANES + l < K ? x[(size_t)m * K + full * LANES + l] : 0.f;                          \
+    for (int g = g0; g < g1; g++) {                                                                                  \
+        vec acc[PACK][MC];                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < PACK; r++)                                                       \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++) acc[r][m] = vzero();                                \
+        const float *q = p + (size_t)g * kv * PACK * LANES;                                                          \
+        for (int v = 0; v < full; v++) PACKED_STEP(MC, x + (size_t)m * K + (size_t)v * LANES);                        \
+        if (kv > full) PACKED_STEP(MC, tail[m]);                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < PACK; r++) {                                                     \
+            int n = g * PACK + r;                                                                                    \
+            if (n < N)                                                                                               \
+                _Pragma("GCC unroll 8") for (int m = 0; m < MC; m++)                                                 \
+                    y[(size_t)m * N + n] = vsum(acc[r][m]) + (b ? b[n] : 0.f);                                       \
+        }                                                                                                            \
+    }                                                                                                                \
+}
+
+typedef void (*packed_fn)(const float *, const float *, const float *, float *, int, int, int, int);
+PACKED_KERNEL(1) PACKED_KERNEL(2) PACKED_KERNEL(3)
+#if PACKED_MC == 6
+PACKED_KERNEL(4) PACKED_KERNEL(5) PACKED_KERNEL(6)
+static const packed_fn PACKED[PACKED_MC + 1] = {0, packed_1, packed_2, packed_3, packed_4, packed_5, packed_6};
+#else
+static const packed_fn PACKED[PACKED_MC + 1] = {0, packed_1, packed_2, packed_3};
+#endif
+
+/* y (M, N) = x (M, K) @ W.T + b, W packed as above. Up to PACKED_MC rows of x in one pass over a thread's band;
+   more: the band goes in chunks of 8 groups, each read from memory by the first PACKED_MC rows and from cache by
+   the next ones. */
+void smallm_linear_packed(const float *x, const float *p, const float *b, float *y, int M, int N, int K,
+                          int threads) {
+    int groups = (N + PACK - 1) / PACK;
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num();
+        int team = omp_get_num_threads();
+        int per = (groups + team - 1) / team;
+        int g0 = t * per, g1 = g0 + per < groups ? g0 + per : groups;
+        if (M <= PACKED_MC) {
+            if (g0 < g1) PACKED[M](x, p, b, y, N, K, g0, g1);
+        } else {
+            for (int g = g0; g < g1; g += 8) {
+                int g_end = g + 8 < g1 ? g + 8 : g1;
+                for (int m0 = 0; m0 < M; m0 += PACKED_MC) {
+                    int mc = M - m0 < PACKED_MC ? M - m0 : PACKED_MC;
+                    PACKED[mc](x + (size_t)m0 * K, p, b, y + (size_t)m0 * N, N, K, g, g_end);
+                }
             }
         }
     }

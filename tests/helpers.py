@@ -571,13 +571,13 @@ def killable_regeneration(target_dir: str, out_dir: str, prompts: list[dict], se
 
 def every_kernel_plan(dtype: torch.dtype, device: torch.device):
     """A KernelPlan that runs every candidate kernel of this machine at some width, without measuring: each
-    kernel packed for a row count at that count, the others at the widths left of 1, 2, 3, 4, 6, 8, 12 and 16 rows
+    kernel packed for a row count at that count, the others at the widths left of 1, 2, 3, 4, 5, 6, 8, 12 and 16 rows
     and past 16 (the prefill), cycled where there are fewer kernels than widths. Raises where the machine has
     more kernels than widths, so that a test using it cannot silently leave one out."""
     from specdraft.decode.linear_kernels import KERNELS, KernelPlan, candidates
 
     names = candidates(dtype, device)
-    slots = ["1", "2", "3", "4", "6", "8", "12", "16", "wide"]
+    slots = ["1", "2", "3", "4", "5", "6", "8", "12", "16", "wide"]
     picks: dict[str, str] = {}
     for name in (n for n in names if KERNELS[n].rows is not None):
         free = [s for s in slots[:-1] if s not in picks and int(s) <= KERNELS[name].rows]

@@ -67,7 +67,7 @@ def test_fast_backend_matches_hf_on_the_real_target(smollm2):
     exact = HFBackend(copy.deepcopy(smollm2.model).double())
     sampler, stop = Sampler(), eos_ids(smollm2)
     prompts = [chat_prompt_ids(smollm2.tokenizer, item["prompt"]) for item in load_prompts("mtbench", num_prompts=4)]
-    widths = (1, 2, 3, 4, 6, 8, 12, 16)
+    widths = (1, 2, 3, 4, 5, 6, 8, 12, 16)
     for ids in prompts[:2]:
         caches = fast.new_cache(), ref.new_cache(), exact.new_cache()
         starts = [sum(widths[:i]) for i in range(len(widths))]
