@@ -356,9 +356,12 @@ def _cache_file(shapes: dict[tuple[int, int], int], dtype: torch.dtype, names: l
     from specdraft.io.hardware import cpu_model
     from specdraft.io.target import cache_root
 
+    # A change to the native kernel's source times it again (its speed is what the decision is about).
+    native = (hashlib.sha256(native_linear.SOURCE.read_bytes()).hexdigest()[:16]
+              if any(name.startswith("native") for name in names) and native_linear.SOURCE.is_file() else None)
     key = json.dumps({"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                       "dtype": str(dtype), "shapes": sorted([list(s) + [c] for s, c in shapes.items()]),
-                      "candidates": names, "rows": list(ROWS), "method": method}, sort_keys=True)
+                      "candidates": names, "rows": list(ROWS), "method": method, "native": native}, sort_keys=True)
     folder = Path(os.environ.get("SPECDRAFT_KERNEL_DIR") or cache_root() / "kernels")  # tests point it elsewhere
     return folder / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

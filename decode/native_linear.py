@@ -33,6 +33,9 @@ SOURCE = Path(__file__).with_name("smallm_linear.c")
 MAX_ROWS = 16  # wider inputs (prefill, wide batches) go to F.linear, which is built for them
 PREFETCH_AHEAD = 256  # floats (1 KiB) ahead of each row of W; 0: no software prefetch (see smallm_linear.c)
 PACK = 4  # rows of W per group in smallm_linear.c's packed layout
+# floats (4 KiB) ahead of the packed stream. Zen 4 EPYC, the target's 121 linears, 2 threads: at 1-4 rows within 4% of
+# no prefetch, at 5 / 6 / 8 rows 18.8 / 20.1 / 27.2 ms against 19.7 / 22.2 / 29.8 (docs/results/2026-12-08-packed-kernel.md)
+PACKED_AHEAD = 1024
 CAPABILITIES = ("AVX512", "AVX2")  # torch's names for the instruction sets smallm_linear.c is written for
 
 
@@ -136,7 +139,7 @@ def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     library.smallm_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     library.smallm_linear.restype = None
-    library.smallm_linear_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    library.smallm_linear_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     library.smallm_linear_packed.restype = None
     library.smallm_lanes.restype = ctypes.c_int
     library.smallm_openmp.restype = ctypes.c_void_p
@@ -193,7 +196,7 @@ def pack(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torc
 
 
 def linear_packed(x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None,
-                  library: ctypes.CDLL | None = None) -> torch.Tensor:
+                  library: ctypes.CDLL | None = None, ahead: int = PACKED_AHEAD) -> torch.Tensor:
     """x (M, in) @ W.T + bias -> (M, out) from `pack(W)`, at any M (built for a few rows: the plan runs it up to
     MAX_ROWS, decode/linear_kernels.py)."""
     weights, out_features = packed
@@ -202,5 +205,5 @@ def linear_packed(x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch
     if x.shape[0]:
         (library or _load()[0]).smallm_linear_packed(
             x.data_ptr(), weights.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+            x.shape[0], out_features, x.shape[1], torch.get_num_threads(), ahead)
     return out

@@ -9,7 +9,9 @@ Measures, with torch's thread setting:
   dtype, through every linear kernel the fast backend can pick here (decode/linear_kernels.py; `torch` is
   `F.linear`, what the HF model runs), and a peak from a large GEMM;
 - each target backend's forward over 1-16 new tokens after a context of 64 / 300 / 1024 tokens: hf, fast (its
-  kernels as target.kernel=auto picks them on this machine) and fast with each kernel fixed (fast-NAME).
+  kernels as target.kernel=auto picks them on this machine) and fast with each kernel fixed (fast-NAME), built
+  side by side (as many as fit half the memory) and timed in interleaved rounds, so that the host's drift hits
+  each backend alike.
 The floor of a k-token step is max(bytes / bandwidth, flops / peak): every weight is read once (the LM head
 included, the embedding only for k rows) plus the KV cache, and the flops are 2·params·k plus attention's.
 Writes OUT/roofline.json and OUT/roofline.png and prints the curves side by side.
@@ -29,7 +31,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from specdraft.decode.linear_kernels import KERNELS, candidates  # noqa: E402
+from specdraft.decode.linear_kernels import KERNELS, candidates, memory_bytes  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -108,24 +110,48 @@ def floor_ms(config, dtype: torch.dtype, context: int, tokens: int, bandwidth: f
     return 1000 * max((weights + cache) / (bandwidth * 1e9), flops / (peak * 1e9))
 
 
-def backend_curve(backend, contexts: list[int], tokens: list[int], repeats: int) -> dict:
-    """Milliseconds of a forward of k new tokens after each context (fastest of `repeats`, rounds interleaved)."""
+def backend_curves(backends: dict, contexts: list[int], tokens: list[int], repeats: int) -> dict:
+    """label -> context -> k -> milliseconds of a forward of k new tokens after the context (fastest of `repeats`).
+    Rounds interleave the backends and the points of each curve, so drift in the machine's speed (shared hosts
+    drift by 1.25x within minutes) hits every backend and point alike."""
     generator = torch.Generator().manual_seed(0)
-    vocab = backend.config.vocab_size
-    curves = {}
+    vocab = next(iter(backends.values())).config.vocab_size
+    curves = {label: {} for label in backends}
     for context in contexts:
-        cache = backend.new_cache()
-        backend(torch.randint(0, vocab, (1, context), generator=generator), cache)
+        caches = {label: backend.new_cache() for label, backend in backends.items()}
+        prompt = torch.randint(0, vocab, (1, context), generator=generator)
+        for label, backend in backends.items():
+            backend(prompt, caches[label])
         feeds = {k: torch.randint(0, vocab, (1, k), generator=generator) for k in tokens}
-        best = {k: float("inf") for k in tokens}
+        best = {(label, k): float("inf") for label in backends for k in tokens}
         for _ in range(repeats):
-            for k in tokens:  # rounds across the curve, so drift in the machine's speed hits every point alike
-                cache.crop(context)
-                start = time.perf_counter()
-                backend(feeds[k], cache)
-                best[k] = min(best[k], time.perf_counter() - start)
-        curves[str(context)] = {str(k): 1000 * best[k] for k in tokens}
+            for label, backend in backends.items():
+                for k in tokens:
+                    caches[label].crop(context)
+                    start = time.perf_counter()
+                    backend(feeds[k], caches[label])
+                    best[label, k] = min(best[label, k], time.perf_counter() - start)
+        for label in backends:
+            curves[label][str(context)] = {str(k): 1000 * best[label, k] for k in tokens}
     return curves
+
+
+def measured_together(model, variants: list[tuple[str, str, str]], budget: int) -> list[list[tuple[str, str, str]]]:
+    """The variants in groups whose extra weight layouts fit `budget` bytes together: each group is built at once
+    and timed interleaved (decode/linear_kernels.py counts a layout per kernel a plan runs)."""
+    from specdraft.decode.fast_target import linear_shapes
+    from specdraft.decode.linear_kernels import weight_bytes
+
+    size = weight_bytes(linear_shapes(model), model.dtype)
+    groups, used = [[]], 0
+    for variant in variants:
+        cost = size * (2 if variant[2] == "auto" else 1) if variant[1] == "fast" else 0  # auto: up to two layouts
+        if groups[-1] and used + cost > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(variant)
+        used += cost
+    return groups
 
 
 def measure(args) -> dict:
@@ -151,12 +177,15 @@ def measure(args) -> dict:
         variants = [("hf", "hf", "auto"), ("fast", "fast", "auto")]
         if entry["fast_unavailable"] is None:
             variants += [(f"fast-{k}", "fast", k) for k in candidates(dtype, target.model.device)]
-        for label, backend_name, kernel in variants:
-            backend = build_backend(target.model, backend_name, kernel=kernel)
-            entry["backends"][label] = backend_curve(backend, args.contexts, args.tokens, args.repeats)
-            if label == "fast":
-                entry["fast_kernels"] = backend.describe()["kernels"]
-            del backend
+        together = (measured_together(target.model, variants, memory_bytes() // 2)
+                    if entry["fast_unavailable"] is None else [[v] for v in variants])  # no fast twin: HF alone
+        for group in together:
+            backends = {label: build_backend(target.model, backend_name, kernel=kernel)
+                        for label, backend_name, kernel in group}
+            entry["backends"].update(backend_curves(backends, args.contexts, args.tokens, args.repeats))
+            if "fast" in backends:
+                entry["fast_kernels"] = backends["fast"].describe()["kernels"]
+            del backends
         result["dtypes"][name] = entry
         print_dtype(name, entry, args)
         del target

@@ -49,8 +49,10 @@ def test_the_native_kernel_computes_the_linear_layer_at_every_row_count(shape, a
 
 @pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_packed_kernel_computes_the_linear_layer_at_every_row_count(shape):
-    assert_computes_the_linear_layer(lambda x, w, b: native_linear.linear_packed(x, native_linear.pack(w), b), shape)
+@pytest.mark.parametrize("ahead", [native_linear.PACKED_AHEAD, 0])  # its software prefetch, and none
+def test_the_packed_kernel_computes_the_linear_layer_at_every_row_count(shape, ahead):
+    assert_computes_the_linear_layer(
+        lambda x, w, b: native_linear.linear_packed(x, native_linear.pack(w), b, ahead=ahead), shape)
 
 
 def test_the_packed_layout_holds_each_group_of_rows_vector_by_vector():

@@ -45,3 +45,23 @@ def test_gemm_table_is_keyed_by_kernel_then_shape_then_rows():
         for rows in by_shape.values():
             assert set(rows) == {"1", "2"}
             assert all(isinstance(v, str) or v > 0 for v in rows.values())
+
+
+def test_backends_are_timed_side_by_side_in_groups_that_fit():
+    """Every backend gets a curve for every context and width; the fast twins are grouped under the memory budget
+    (the auto plan counted as two layouts), HF costing none."""
+    from specdraft.decode.backend import build_backend
+    from specdraft.decode.fast_target import linear_shapes
+    from specdraft.decode.linear_kernels import weight_bytes
+
+    model = tiny_llama(0)
+    size = weight_bytes(linear_shapes(model), model.dtype)
+    variants = [("hf", "hf", "auto"), ("fast", "fast", "auto"), ("fast-torch", "fast", "torch"),
+                ("fast-mkl", "fast", "mkl")]
+    assert roofline.measured_together(model, variants, 3 * size) == [variants[:3], variants[3:]]
+    assert roofline.measured_together(model, variants, 0) == [[v] for v in variants]  # each alone, at worst
+    backends = {label: build_backend(model, name, kernel="torch") for label, name, _ in variants[:3]}
+    curves = roofline.backend_curves(backends, [5, 9], [1, 3], repeats=2)
+    assert set(curves) == set(backends)
+    for curve in curves.values():
+        assert set(curve) == {"5", "9"} and all(set(c) == {"1", "3"} and min(c.values()) > 0 for c in curve.values())
