@@ -18,7 +18,7 @@ library build, and the difference is most of a decode step. Measured on the embe
   in their own layout at any width up to 16 and kept the whole forward within 1.1x of a one-row step at 4 rows
   (docs/results/2026-12-07-native-kernel.md).
 - 2-core AMD EPYC (Zen 4): the native kernel over a copy of the weights packed into one sequential stream per
-  thread (`nativepack`) read them about 1.6x faster at 1-4 rows than in their own layout, whose 4 interleaved row
+  thread (`nativepack`) read them 1.2-1.6x faster at 1-4 rows than in their own layout, whose 4 interleaved row
   streams the hardware prefetcher follows less well (docs/results/2026-12-08-packed-kernel.md).
 So the twin times each candidate on the model's own shapes once per machine (seconds; the decision is cached
 under the specdraft cache, so later runs are deterministic and start at once) and keeps, for each verify

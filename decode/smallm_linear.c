@@ -9,7 +9,8 @@ requests ahead of the arithmetic. AVX-512 where the CPU has it, else AVX2 with F
 
 A second entry, smallm_linear_packed, reads W prepacked so that each thread's band is one sequential stream (the
 packed layout below): on the Zen 4 EPYC measured, the band in W's own layout (RB interleaved row streams) read
-24-27 GB/s at 1-2 rows, the same band packed 45 GB/s (docs/results/2026-12-08-packed-kernel.md).
+21-27 GB/s at 1-2 rows, the same band packed 32-45 GB/s as the host's memory load varied
+(docs/results/2026-12-08-packed-kernel.md).
 
 Built by decode/native_linear.py with -march=native and linked against the OpenMP runtime torch itself loaded, so
 the parallel region runs on torch's threads (torch.set_num_threads applies) instead of a second pool. */
