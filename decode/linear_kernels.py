@@ -69,6 +69,7 @@ class Kernel:
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.dtype, torch.device], str | None]  # why not here, or None
     rows: int | None = None  # built for up to this many rows (mklpack: packed for it, fewer padded, more F.linear)
+    source: Path | None = None  # the project's own code it runs: a change to it times the kernel again
 
 
 def onednn_ok(dtype: torch.dtype, device: torch.device) -> bool:
@@ -145,13 +146,14 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     # software prefetch 1 KiB ahead (`native`) or leaving the streaming to the hardware prefetcher (`nativehw`):
     # which is faster differs between CPUs and row counts. Both run on the weight as it is (the plan's layout
     # budget counts each kernel as a layout: conservative).
-    Kernel("native", lambda w: w.contiguous(), native_linear.linear, native_linear.unavailable_reason),
+    Kernel("native", lambda w: w.contiguous(), native_linear.linear, native_linear.unavailable_reason,
+           source=native_linear.SOURCE),
     Kernel("nativehw", lambda w: w.contiguous(), lambda x, w, b: native_linear.linear(x, w, b, ahead=0),
-           native_linear.unavailable_reason),
+           native_linear.unavailable_reason, source=native_linear.SOURCE),
     # The same kernel over a copy of the weight packed into one sequential stream per thread; a verify-width
     # kernel (rows=16): it computes any width, but the prefill and wide batches go to a library kernel.
     Kernel("nativepack", native_linear.pack, native_linear.linear_packed, native_linear.unavailable_reason,
-           rows=native_linear.MAX_ROWS),
+           rows=native_linear.MAX_ROWS, source=native_linear.SOURCE),
 )}
 KERNEL_CHOICES = ("auto", *KERNELS)
 
@@ -356,12 +358,12 @@ def _cache_file(shapes: dict[tuple[int, int], int], dtype: torch.dtype, names: l
     from specdraft.io.hardware import cpu_model
     from specdraft.io.target import cache_root
 
-    # A change to the native kernel's source times it again (its speed is what the decision is about).
-    native = (hashlib.sha256(native_linear.SOURCE.read_bytes()).hexdigest()[:16]
-              if any(name.startswith("native") for name in names) and native_linear.SOURCE.is_file() else None)
+    # A change to a candidate's own source times it again (its speed is what the decision is about).
+    sources = sorted({KERNELS[name].source for name in names if KERNELS[name].source is not None})
+    code = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()[:16] for path in sources if path.is_file()}
     key = json.dumps({"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                       "dtype": str(dtype), "shapes": sorted([list(s) + [c] for s, c in shapes.items()]),
-                      "candidates": names, "rows": list(ROWS), "method": method, "native": native}, sort_keys=True)
+                      "candidates": names, "rows": list(ROWS), "method": method, "code": code}, sort_keys=True)
     folder = Path(os.environ.get("SPECDRAFT_KERNEL_DIR") or cache_root() / "kernels")  # tests point it elsewhere
     return folder / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("smallm_linear.c")
 MAX_ROWS = 16  # wider inputs (prefill, wide batches) go to F.linear, which is built for them
 PREFETCH_AHEAD = 256  # floats (1 KiB) ahead of each row of W; 0: no software prefetch (see smallm_linear.c)
-PACK = 4  # rows of W per group in smallm_linear.c's packed layout
 # floats (4 KiB) ahead of the packed stream. Zen 4 EPYC, the target's 121 linears, 2 threads: at 1-4 rows within 4% of
 # no prefetch, at 5 / 6 / 8 rows 18.8 / 20.1 / 27.2 ms against 19.7 / 22.2 / 29.8 (docs/results/2026-12-08-packed-kernel.md)
 PACKED_AHEAD = 1024
@@ -142,6 +141,7 @@ def _open(path: Path) -> ctypes.CDLL:
     library.smallm_linear_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     library.smallm_linear_packed.restype = None
     library.smallm_lanes.restype = ctypes.c_int
+    library.smallm_pack_rows.restype = ctypes.c_int
     library.smallm_openmp.restype = ctypes.c_void_p
     return library
 
@@ -185,14 +185,16 @@ def _call(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: tor
 def pack(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, int]:
     """weight (out, in) float32 in smallm_linear_packed's layout, with `out` (the padding rows are never written):
     groups of PACK rows, each stored one vector of the kernel's LANES floats per row after another,
-    (ceil(out/PACK), ceil(in/LANES), PACK, LANES), zero-padded to whole groups and vectors."""
-    lanes = (library or _load()[0]).smallm_lanes()
+    (ceil(out/PACK), ceil(in/LANES), PACK, LANES), zero-padded to whole groups and vectors (both sizes are the
+    build's: smallm_pack_rows, smallm_lanes)."""
+    library = library or _load()[0]
+    rows, lanes = library.smallm_pack_rows(), library.smallm_lanes()
     out, inp = weight.shape
-    groups, vectors = -(-out // PACK), -(-inp // lanes)
-    padded = weight.new_zeros(groups * PACK, vectors * lanes)
+    groups, vectors = -(-out // rows), -(-inp // lanes)
+    padded = weight.new_zeros(groups * rows, vectors * lanes)
     padded[:out, :inp] = weight
-    # (groups * PACK, vectors * lanes) -> (groups, PACK, vectors, lanes) -> (groups, vectors, PACK, lanes)
-    return padded.view(groups, PACK, vectors, lanes).transpose(1, 2).contiguous(), out
+    # (groups * rows, vectors * lanes) -> (groups, rows, vectors, lanes) -> (groups, vectors, rows, lanes)
+    return padded.view(groups, rows, vectors, lanes).transpose(1, 2).contiguous(), out
 
 
 def linear_packed(x: torch.Tensor, packed: tuple[torch.Tensor, int], bias: torch.Tensor | None,

@@ -133,6 +133,7 @@ void smallm_linear(const float *x, const float *w, const float *b, float *y, int
 #endif
 
 int smallm_lanes(void) { return LANES; }
+int smallm_pack_rows(void) { return PACK; }
 
 /* The sums of four accumulators at once, [sum(a0), sum(a1), sum(a2), sum(a3)]: a transposing tree of shuffles
    instead of four separate horizontal sums (at 4-8 rows of x those were a visible share of the work). */

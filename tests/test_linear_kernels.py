@@ -186,3 +186,22 @@ def test_the_fast_target_times_its_own_forward_with_each_kernel(monkeypatch, tmp
         assert all(set(ms) == {str(rows) for rows in linear_kernels.ROWS} for ms in plan.measured_ms.values())
         assert FastTarget(tiny_llama(0)).plan.source == "cached"
     assert set(plan.kernels) <= set(names)
+
+
+def test_a_change_to_a_kernels_own_source_measures_it_again(monkeypatch, tmp_path):
+    """The cached decision is keyed by the code a candidate runs (Kernel.source), so an edited kernel is timed anew;
+    kernels without a source of ours leave the key alone."""
+    monkeypatch.setenv("SPECDRAFT_KERNEL_DIR", str(tmp_path))
+    source = tmp_path / "kernel.c"
+    source.write_text("one")
+    torch_kernel = KERNELS["torch"]
+    monkeypatch.setitem(KERNELS, "ours", torch_kernel.__class__("ours", torch_kernel.pack, torch_kernel.run,
+                                                                torch_kernel.available, source=source))
+    shapes = {(8, 4): 1}
+    before = linear_kernels._cache_file(shapes, torch.float32, ["ours", "torch"], "linears")
+    assert linear_kernels._cache_file(shapes, torch.float32, ["ours", "torch"], "linears") == before
+    source.write_text("two")
+    assert linear_kernels._cache_file(shapes, torch.float32, ["ours", "torch"], "linears") != before
+    only_torch = linear_kernels._cache_file(shapes, torch.float32, ["torch"], "linears")
+    source.write_text("three")
+    assert linear_kernels._cache_file(shapes, torch.float32, ["torch"], "linears") == only_torch

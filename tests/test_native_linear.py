@@ -61,10 +61,12 @@ def test_the_packed_layout_holds_each_group_of_rows_vector_by_vector():
         pytest.skip(f"native kernel unavailable here: {REASON}")
     weight = torch.arange(9 * 21, dtype=torch.float32).view(9, 21) + 1  # no zero inside W
     packed, rows = native_linear.pack(weight)
-    lanes = native_linear._load()[0].smallm_lanes()
-    assert rows == 9 and packed.shape == (3, -(-21 // lanes), native_linear.PACK, lanes)
+    library = native_linear._load()[0]
+    group, lanes = library.smallm_pack_rows(), library.smallm_lanes()
+    assert group == 4  # the groups of 4 rows below
+    assert rows == 9 and packed.shape == (3, -(-21 // lanes), group, lanes)
     for g, v, r, lane in [(0, 0, 0, 0), (1, 0, 2, 3), (2, 0, 0, lanes - 1), (0, 1, 3, 4)]:
-        n, k = g * native_linear.PACK + r, v * lanes + lane
+        n, k = g * group + r, v * lanes + lane
         expected = weight[n, k] if n < 9 and k < 21 else 0.0
         assert packed[g, v, r, lane] == expected
     assert (packed[2, :, 1:] == 0).all()  # rows 9-11 are padding
